@@ -1,0 +1,146 @@
+"""Paged KV bookkeeping with automatic prefix caching. Torch-free: block ids index the model runner's pool.
+
+A full block's identity is its tokens plus its parent's hash. Freed blocks keep their contents and stay
+findable until the allocator reuses them (lazy eviction); blocks nobody can hit are reused first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def hash_block(token_ids: tuple[int, ...], parent_hash: int) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "key")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = NO_HASH
+        self.key: tuple[int, tuple[int, ...]] | None = None  # (parent_hash, token_ids), verified on every hit
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash != NO_HASH})"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # reuse from the front
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids holding the longest cached run of full blocks; the last token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        parent = NO_HASH
+        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+            key = (parent, tuple(token_ids[start : start + self.block_size]))
+            block_id = self.hash_to_block.get(hash_block(key[1], parent))
+            if block_id is None or self.blocks[block_id].key != key:
+                break
+            matched.append(block_id)
+            parent = self.blocks[block_id].hash
+        return matched
+
+    def can_allocate(self, matched: list[int], num_tokens: int) -> bool:
+        """Whether a waiting sequence can hold `num_tokens` slots, reusing the `matched` prefix blocks."""
+        reused_free = sum(1 for b in matched if self.blocks[b].ref_count == 0)
+        fresh = max(0, self.blocks_needed(num_tokens) - len(matched))
+        return fresh + reused_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, matched: list[int], num_tokens: int) -> None:
+        assert not seq.block_table, f"{seq} already holds blocks"
+        for block_id in matched:
+            self._take(block_id, keep_cached=True)
+        seq.block_table = list(matched)
+        seq.num_computed_tokens = len(matched) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.grow(seq, num_tokens)
+
+    # -- growth and release ----------------------------------------------------------------------
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Make the block table cover `num_tokens` slots."""
+        missing = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if missing > self.num_free_blocks:
+            raise RuntimeError(f"grow({seq}, {num_tokens}) needs {missing} blocks, {self.num_free_blocks} free")
+        for _ in range(missing):
+            seq.block_table.append(self._take(next(iter(self.free_blocks))))
+
+    def mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Advance the computed count and publish every block that just became full."""
+        first_new_full = seq.num_computed_tokens // self.block_size
+        seq.num_computed_tokens = num_computed_tokens
+        if not self.enable_prefix_caching:
+            return
+        for index in range(first_new_full, num_computed_tokens // self.block_size):
+            self._publish(seq, index)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so the shared head of a prefix outlives it in the free list.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"{block} freed twice"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.hash == NO_HASH:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _take(self, block_id: int, keep_cached: bool = False) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+            if not keep_cached and block.hash != NO_HASH:
+                self._evict(block)
+        block.ref_count += 1
+        return block_id
+
+    def _evict(self, block: Block) -> None:
+        if self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.key = NO_HASH, None
+
+    def _publish(self, seq: Sequence, index: int) -> None:
+        block = self.blocks[seq.block_table[index]]
+        if block.hash != NO_HASH:
+            return  # reached through a cache hit: already published
+        parent = self.blocks[seq.block_table[index - 1]].hash if index > 0 else NO_HASH
+        tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+        block.key = (parent, tokens)
+        block.hash = hash_block(tokens, parent)
+        self.hash_to_block.setdefault(block.hash, block.block_id)

@@ -1,0 +1,40 @@
+"""EngineConfig: every knob of the engine in one typed place."""
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = DEFAULT_MODEL
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    quantization: Literal["nf4", "int8"] | None = None
+    device: str = "auto"
+    num_threads: int | None = Field(default=None, ge=1, description="torch threads; default: all cores of the node")
+
+    block_size: int = Field(default=16, ge=1)
+    num_kv_blocks: int | None = Field(default=None, ge=2)
+    kv_cache_memory: int | None = Field(default=None, ge=1, description="KV pool bytes when num_kv_blocks is unset")
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+
+    max_num_seqs: int = Field(default=128, ge=1)
+    max_num_batched_tokens: int = Field(default=1024, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool = True
+    max_waiting: int | None = Field(default=None, ge=1, description="bound on queued requests; None is unbounded")
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")
+        return self
+
+    def resolved_num_threads(self) -> int:
+        return self.num_threads or os.cpu_count() or 1

@@ -1,0 +1,358 @@
+"""LLMEngine: one step() = schedule -> forward -> sample -> append, check stops, free. LLM: the offline API."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.attention import register as register_paged_attention
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import EngineInputError, EngineOverloadedError
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
+from engine.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import RequestOutput, Sequence
+
+log = logging.getLogger(__name__)
+
+Messages = list[dict[str, Any]]
+Prompt = Union[str, list[int], Messages]
+CPU_DEFAULT_KV_BYTES = 2 << 30
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+@dataclass
+class OutputState:
+    """What the engine tracks to turn a sequence's tokens into text deltas."""
+
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    max_tokens: int
+    text: str = ""
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    stop_holdback: int = field(default=0)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        self.config = config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
+        torch.set_num_threads(config.resolved_num_threads())
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(config, self.device, self.dtype, register_paged_attention())
+        self.tokenizer = load_tokenizer(config)  # callers' threads: encoding
+        self.detokenizer_tokenizer = load_tokenizer(config)  # step thread: fast tokenizers are not shareable across threads
+        self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device)
+        self.runner.kv_cache = self.runner.allocate_kv_cache(self._num_kv_blocks())
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.sequences: dict[str, Sequence] = {}
+        self._inbox_lock = threading.Lock()
+        self._new_seqs: list[Sequence] = []
+        self._aborts: list[str] = []
+        self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens", config.model, self.device, self.dtype,
+                 self.runner.num_blocks, config.block_size)
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        return ids
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = kv_bytes_per_block(self.model.config, cfg.block_size, self.dtype)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            return max(2, cfg.kv_cache_memory // per_block)
+        if self.device.type == "cuda":
+            return max(2, self._cuda_kv_budget() // per_block)
+        return max(2, CPU_DEFAULT_KV_BYTES // per_block)
+
+    def _cuda_kv_budget(self) -> int:
+        """Free memory after a warm-up forward at the largest step size, times gpu_memory_utilization."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        blocks = -(-self.config.max_num_batched_tokens // self.config.block_size)
+        self.runner.kv_cache = self.runner.allocate_kv_cache(blocks)
+        warm = Sequence("warmup", [0] * self.config.max_num_batched_tokens, SamplingParams(max_tokens=1))
+        warm.block_table = list(range(blocks))
+        self.runner.execute([warm], [len(warm)])
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        self.runner.kv_cache = self.runner.allocate_kv_cache(1)
+        torch.cuda.empty_cache()
+        used_elsewhere = total - free
+        return int(total * self.config.gpu_memory_utilization - used_elsewhere - activation_peak)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EngineInputError("prompt is empty", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self._tokenize_chat(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise EngineInputError("prompt is empty", "prompt")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise EngineInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+            return list(prompt)
+        raise EngineInputError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+    def _tokenize_chat(self, messages: Messages) -> list[int]:
+        for i, message in enumerate(messages):
+            if message.get("role") not in CHAT_ROLES:
+                raise EngineInputError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}", "messages")
+            if not isinstance(message.get("content"), str):
+                raise EngineInputError(f"messages[{i}].content must be a string", "messages")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Sequence:
+        """Validate, tokenize and enqueue. Thread-safe; raises EngineInputError on bad input."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        max_tokens = self._validated_max_tokens(len(token_ids), params)
+        seq = Sequence(request_id, token_ids, params, arrival_time)
+        seq.runtime = OutputState(
+            detokenizer=IncrementalDetokenizer(self.detokenizer_tokenizer, token_ids, params.skip_special_tokens),
+            generator=make_generator(params, self.device),
+            max_tokens=max_tokens,
+            logprobs=[] if params.logprobs is not None else None,
+            stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
+        )
+        with self._inbox_lock:
+            if request_id in self.sequences:
+                raise EngineInputError(f"request id {request_id!r} is already in flight", "request_id")
+            limit = self.config.max_waiting
+            if limit is not None and len(self._new_seqs) + len(self.scheduler.waiting) >= limit:
+                raise EngineOverloadedError(f"the engine queue is full ({limit} waiting requests)")
+            self.sequences[request_id] = seq
+            self._new_seqs.append(seq)
+        return seq
+
+    def _validated_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        context = self.max_model_len
+        if num_prompt_tokens >= context:
+            raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the model's context is {context}", "prompt")
+        capacity = self.runner.num_blocks * self.config.block_size
+        if num_prompt_tokens >= capacity:
+            raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}", "prompt")
+        if params.max_tokens is None:
+            return context - num_prompt_tokens
+        if num_prompt_tokens + params.max_tokens > context:
+            raise EngineInputError(
+                f"prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
+                f"together they exceed the model's context of {context}", "max_tokens")
+        return params.max_tokens
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the start of the next step. Thread-safe."""
+        with self._inbox_lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._inbox_lock:
+            return bool(self._new_seqs or self._aborts or self.scheduler.num_unfinished)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        outputs += [self._output(seq) for seq in batch.out_of_memory]
+        if batch:
+            outputs += self._run(batch)
+        self.counters["num_steps"] += 1
+        for out in outputs:
+            if out.finished:
+                self.sequences.pop(out.request_id, None)
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._inbox_lock:
+            new, self._new_seqs = self._new_seqs, []
+            aborts, self._aborts = self._aborts, []
+        for seq in new:
+            self.scheduler.add(seq)
+        outputs = []
+        for request_id in aborts:
+            seq = self.sequences.get(request_id)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        try:
+            sampling_seqs, logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            self.counters["prompt_tokens"] += self._num_prompt_tokens_in(batch)
+            self.scheduler.mark_computed(batch)
+            tokens, logprobs = self.sampler(
+                logits,
+                [seq.params for seq in sampling_seqs],
+                [seq.runtime.generator for seq in sampling_seqs],
+                [seq.output_token_ids for seq in sampling_seqs],
+            )
+        except Exception as exc:  # one bad batch must not kill the loop: fail its requests, keep serving the rest
+            log.exception("engine step failed; aborting the %d requests in it", len(batch))
+            self.counters["num_failed_steps"] += 1
+            return [self._fail(seq, f"engine step failed: {type(exc).__name__}") for seq in batch.seqs]
+        self.counters["generation_tokens"] += len(tokens)
+        outputs = []
+        for seq, token, logprob in zip(sampling_seqs, tokens, logprobs):
+            try:
+                self._append_token(seq, token, logprob)
+            except Exception as exc:
+                log.exception("post-processing of request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, f"post-processing failed: {type(exc).__name__}"))
+                continue
+            outputs.append(self._output(seq))
+        return outputs
+
+    @staticmethod
+    def _num_prompt_tokens_in(batch: ScheduledBatch) -> int:
+        return sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
+                   for seq, n in zip(batch.seqs, batch.num_new_tokens))
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        seq.runtime.error = message
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
+        state: OutputState = seq.runtime
+        seq.append_token(token)
+        now = time.monotonic()
+        seq.metrics.first_token_time = seq.metrics.first_token_time or now
+        seq.metrics.last_token_time = now
+        if state.logprobs is not None:
+            state.logprobs.append(logprob)
+        state.text += state.detokenizer.add(token)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            if reason == "length" or token not in self.eos_token_ids:
+                state.text += state.detokenizer.flush()
+                self._truncate_at_stop_string(seq)
+            self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params, state = seq.params, seq.runtime
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop_strings and self._stop_string_at(seq) is not None:
+            return "stop"
+        if seq.num_output_tokens >= state.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _stop_string_at(seq: Sequence) -> int | None:
+        state = seq.runtime
+        window_start = max(0, state.sent_text_len - state.stop_holdback)
+        hits = [i for i in (state.text.find(s, window_start) for s in seq.params.stop_strings) if i >= 0]
+        return min(hits) if hits else None
+
+    def _truncate_at_stop_string(self, seq: Sequence) -> None:
+        if seq.params.stop_strings:
+            cut = self._stop_string_at(seq)
+            if cut is not None:
+                seq.runtime.text = seq.runtime.text[:cut]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state: OutputState = seq.runtime
+        finished = seq.is_finished
+        visible = len(state.text) if finished else max(state.sent_text_len, len(state.text) - state.stop_holdback)
+        output_ids = seq.output_token_ids
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=state.text[:visible],
+            token_ids=output_ids,
+            delta_text=state.text[state.sent_text_len:visible],
+            delta_token_ids=output_ids[state.sent_token_len:],
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics,
+            logprobs=state.logprobs,
+            error=state.error,
+        )
+        state.sent_text_len, state.sent_token_len = visible, len(output_ids)
+        return out
+
+    # -- introspection --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting) + len(self._new_seqs),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+
+
+class LLM:
+    """Offline API: generate for a list of prompts and return when all are done."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        config = EngineConfig(**({"model": model} if model else {}), **kwargs)
+        self.engine = LLMEngine(config)
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
+        ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.engine.add_request(request_id, prompt, p)
+        finals: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        return [finals[request_id] for request_id in ids]
+
+    def chat(self, conversations: list[Messages], params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate(list(conversations), params, use_tqdm)

@@ -1,0 +1,93 @@
+"""One forward per step over a flat, unpadded batch; logits only where a sequence samples next."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention import AttentionMetadata, PrefillChunk
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def kv_geometry(hf_config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a decoder config."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return hf_config.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    layers, kv_heads, head_dim = kv_geometry(hf_config)
+    return layers * 2 * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.kv_cache = self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        layers, kv_heads, head_dim = kv_geometry(self.model.config)
+        shape = (layers, 2, num_blocks, self.block_size, kv_heads, head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[2]
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], torch.Tensor]:
+        """Run one step. Returns the sequences that sample a token now, and their logits [n, vocab] in float32."""
+        order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
+        seqs = [seqs[i] for i in order]
+        num_new_tokens = [num_new_tokens[i] for i in order]
+        input_ids, positions, slots, last_indices, sampling_seqs = [], [], [], [], []
+        for seq, num_new in zip(seqs, num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq.block_table, start, end))
+            if end == len(seq):
+                last_indices.append(len(input_ids) - 1)
+                sampling_seqs.append(seq)
+        meta = self._metadata(seqs, num_new_tokens, slots)
+        logits = self.model(
+            input_ids=self._tensor(input_ids).unsqueeze(0),
+            position_ids=self._tensor(positions).unsqueeze(0),
+            logits_to_keep=self._tensor(last_indices),
+            use_cache=False,
+            paged_metadata=meta,
+        ).logits[0]
+        return sampling_seqs, logits.float()
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _metadata(self, seqs: list[Sequence], num_new_tokens: list[int], slots: list[int]) -> AttentionMetadata:
+        num_decodes = sum(1 for n in num_new_tokens if n == 1)
+        decode_tables = decode_mask = None
+        if num_decodes:
+            tables = [seq.block_table for seq in seqs[:num_decodes]]
+            width = max(len(t) for t in tables)
+            decode_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            context_lens = self._tensor([seq.num_computed_tokens + 1 for seq in seqs[:num_decodes]])
+            key_positions = torch.arange(width * self.block_size, device=self.device)
+            decode_mask = (key_positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+        prefills, start = [], num_decodes
+        for seq, num_new in zip(seqs[num_decodes:], num_new_tokens[num_decodes:]):
+            context_len = seq.num_computed_tokens + num_new
+            table = self._tensor(seq.block_table[: -(-context_len // self.block_size)])
+            prefills.append(PrefillChunk(start, start + num_new, context_len, table))
+            start += num_new
+        return AttentionMetadata(self.kv_cache, self._tensor(slots), num_decodes, decode_tables, decode_mask, prefills)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

