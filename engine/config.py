@@ -27,6 +27,8 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(default=1024, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "cpp"] = Field(
+        default="auto", description="decode attention: the C++ CPU kernel where it builds (auto), or the torch path")
     max_waiting: int | None = Field(default=None, ge=1, description="bound on queued requests; None is unbounded")
     trust_remote_code: bool = False
 

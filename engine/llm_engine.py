@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from engine.attention import register as register_paged_attention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_kernels import paged_decode_op
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -58,7 +59,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, self._decode_kernel())
         self.runner.kv_cache = self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -79,6 +80,15 @@ class LLMEngine:
             value = getattr(source, "eos_token_id", None)
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids
+
+    def _decode_kernel(self):
+        backend = self.config.attention_backend
+        if backend == "torch" or self.device.type != "cpu":
+            return None
+        kernel = paged_decode_op()
+        if kernel is None and backend == "cpp":
+            raise RuntimeError("attention_backend='cpp' was asked for, but the C++ kernel did not build (see the log)")
+        return kernel
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

@@ -6,7 +6,7 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,10 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: PreTrainedModel, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
+                 decode_kernel=None):
         self.model = model
+        self.decode_kernel = decode_kernel
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -35,16 +37,16 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         layers, kv_heads, head_dim = kv_geometry(self.model.config)
-        shape = (layers, 2, num_blocks, self.block_size, kv_heads, head_dim)
+        shape = (layers, 2, kv_heads, num_blocks, self.block_size, head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.shape[2]
+        return self.kv_cache.shape[3]
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step. Returns the sequences that sample a token now, and their logits [n, vocab] in float32."""
+        """Run one step. Returns the sequences that sample a token now, and their logits [n, vocab]."""
         order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
         seqs = [seqs[i] for i in order]
         num_new_tokens = [num_new_tokens[i] for i in order]
@@ -65,7 +67,7 @@ class ModelRunner:
             use_cache=False,
             paged_metadata=meta,
         ).logits[0]
-        return sampling_seqs, logits.float()
+        return sampling_seqs, logits
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -73,21 +75,20 @@ class ModelRunner:
 
     def _metadata(self, seqs: list[Sequence], num_new_tokens: list[int], slots: list[int]) -> AttentionMetadata:
         num_decodes = sum(1 for n in num_new_tokens if n == 1)
-        decode_tables = decode_mask = None
-        if num_decodes:
-            tables = [seq.block_table for seq in seqs[:num_decodes]]
-            width = max(len(t) for t in tables)
-            decode_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
-            context_lens = self._tensor([seq.num_computed_tokens + 1 for seq in seqs[:num_decodes]])
-            key_positions = torch.arange(width * self.block_size, device=self.device)
-            decode_mask = (key_positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+        decode = self._decode_batch(seqs[:num_decodes]) if num_decodes else None
         prefills, start = [], num_decodes
         for seq, num_new in zip(seqs[num_decodes:], num_new_tokens[num_decodes:]):
             context_len = seq.num_computed_tokens + num_new
             table = self._tensor(seq.block_table[: -(-context_len // self.block_size)])
             prefills.append(PrefillChunk(start, start + num_new, context_len, table))
             start += num_new
-        return AttentionMetadata(self.kv_cache, self._tensor(slots), num_decodes, decode_tables, decode_mask, prefills)
+        return AttentionMetadata(self.kv_cache, self._tensor(slots), decode, prefills)
+
+    def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        context_lens = self._tensor([seq.num_computed_tokens + 1 for seq in seqs])
+        return DecodeBatch(tables, context_lens, self.block_size, self.decode_kernel)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

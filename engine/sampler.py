@@ -26,7 +26,10 @@ class Sampler:
         generators: list[torch.Generator | None],
         output_token_ids: list[list[int]],
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits [n, vocab] float32 -> one token id per row, and its logprobs where asked for."""
+        """logits [n, vocab] -> one token id per row, and its logprobs where asked for."""
+        if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
+            return logits.argmax(dim=-1).tolist(), [None] * len(params)  # the common case: no float copy of the logits
+        logits = logits.float()
         logprobs = self._logprobs(logits, params)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), params, output_token_ids)

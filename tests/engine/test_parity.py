@@ -62,6 +62,7 @@ def references(hf_model, tokenizer):
 
 
 def run_engine(prompts, **engine_kwargs):
+    engine_kwargs.setdefault("attention_backend", "torch")  # the device-agnostic path, as on CUDA
     llm = LLM(dtype="float32", **engine_kwargs)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     return llm, llm.generate(prompts, params, use_tqdm=False)
@@ -75,9 +76,10 @@ def check_all(outputs, refs, prompts):
     assert identical >= len(outputs) - 2, f"only {identical}/{len(outputs)} identical: near-ties should be rare"
 
 
-def test_greedy_matches_hf_plain(tokenizer, references):
+@pytest.mark.parametrize("attention_backend", ["torch", "cpp"])
+def test_greedy_matches_hf_plain(tokenizer, references, attention_backend):
     prompts = varied_prompts(tokenizer)
-    llm, outputs = run_engine(prompts)
+    llm, outputs = run_engine(prompts, attention_backend=attention_backend)
     check_all(outputs, references(prompts), prompts)
     assert llm.engine.stats()["num_preemptions"] == 0
 

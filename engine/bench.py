@@ -1,0 +1,121 @@
+"""python -m engine.bench: this engine against transformers on one workload, in one process, as ratios."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from engine.config import DEFAULT_MODEL
+from engine.models import resolve_model_path
+from engine.workload import Request, chat_workload
+
+app = typer.Typer(add_completion=False)
+console = Console()
+
+
+def run_engine(requests: list[Request], model: str, dtype: str, threads: int, **engine_kwargs) -> dict:
+    llm = LLM(model=model, dtype=dtype, num_threads=threads, **engine_kwargs)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+    llm.generate([[0, 1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.chat([r.messages for r in requests], params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == r.max_tokens for o, r in zip(outputs, requests))
+    stats = llm.engine.stats()
+    return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests),
+            "steps": stats["num_steps"], "preemptions": stats["num_preemptions"]}
+
+
+def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int, batch_size: int = 64) -> dict:
+    """transformers generate with static batches in arrival order, left-padded; a batch runs to its longest output."""
+    torch.set_num_threads(threads)
+    path = resolve_model_path(model)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    hf.generation_config.eos_token_id = None  # like ignore_eos: every request generates exactly its max_tokens
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    texts = [tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True) for r in requests]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in tqdm(range(0, len(requests), batch_size), desc="hf static batches"):
+            batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            longest = max(r.max_tokens for r in requests[i : i + batch_size])
+            hf.generate(**batch, max_new_tokens=longest, do_sample=False, pad_token_id=pad)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests)}
+
+
+def median_of(runs: int, fn: Callable[[], dict], label: str) -> dict:
+    results = []
+    for i in range(runs):
+        console.print(f"[bold]{label}[/bold] run {i + 1}/{runs}")
+        results.append(fn())
+    rates = [r["output_tokens"] / r["seconds"] for r in results]
+    return {**results[0], "tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates}
+
+
+@app.command()
+def main(
+    num_requests: int = typer.Option(256, help="requests in the workload"),
+    min_tokens: int = typer.Option(16, help="shortest output"),
+    max_tokens: int = typer.Option(256, help="longest output"),
+    seed: int = 0,
+    model: str = DEFAULT_MODEL,
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
+    threads: str = typer.Option("2", help="torch thread counts for the engine, comma separated, e.g. 1,2"),
+    runs: int = typer.Option(3, help="runs per system; the median is reported"),
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    hf_batch_size: int = 64,
+    skip_hf: bool = typer.Option(False, help="engine only (no baseline, so no ratio)"),
+    out_dir: Path = Path("benchmarks/results"),
+):
+    requests = chat_workload(num_requests, min_tokens, max_tokens, seed)
+    thread_counts = [int(t) for t in threads.split(",")]
+    results: dict[str, dict] = {}
+    for t in thread_counts:
+        results[f"engine ({t} thr)"] = median_of(runs, lambda: run_engine(
+            requests, model, dtype, t, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            f"engine, {t} threads")
+    if not skip_hf:
+        top = max(thread_counts)
+        results[f"HF static ({top} thr)"] = median_of(runs, lambda: run_hf_static(requests, model, dtype, top, hf_batch_size),
+                                                      f"HF generate, static batches of {hf_batch_size}")
+    report(results, requests, dict(model=model, dtype=dtype, runs=runs, num_requests=num_requests,
+                                   output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens), out_dir)
+
+
+def report(results: dict[str, dict], requests: list[Request], settings: dict, out_dir: Path) -> None:
+    baseline = next((v["tokens_per_s"] for k, v in results.items() if k.startswith("HF static")), None)
+    table = Table(title=f"{len(requests)} requests, {settings['dtype']}, median of {settings['runs']}")
+    for column in ("system", "output tok/s", "req/s", "x HF static", "runs (tok/s)"):
+        table.add_column(column, justify="right")
+    for name, r in results.items():
+        rate = r["tokens_per_s"]
+        table.add_row(name, f"{rate:.0f}", f"{rate * len(requests) / r['output_tokens']:.2f}",
+                      f"{rate / baseline:.2f}x" if baseline else "-", ", ".join(f"{x:.0f}" for x in r["all_tokens_per_s"]))
+    console.print(table)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = out_dir / f"bench-{stamp}.json"
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    path.write_text(json.dumps({"settings": settings, "machine": machine, "results": results}, indent=2, default=str))
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app()

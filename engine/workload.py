@@ -1,0 +1,29 @@
+"""Seeded synthetic chat workloads for the benchmark."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "green tea", "a lost robot", "volcanoes", "jazz",
+          "winter in a small town", "honeybees", "the printing press", "black holes", "a chess match", "bread baking",
+          "the Roman roads", "a desert caravan", "photosynthesis"]
+TASKS = ["Write a story about {t}.", "Explain {t} to a ten-year-old.", "Give me five facts about {t}.",
+         "Write a poem about {t}.", "Describe {t} in detail, step by step.", "What would a scientist say about {t}?"]
+CONTEXT = ("Consider the following notes carefully before you answer. They were written quickly and may repeat "
+           "themselves, but every sentence matters to the reader who asked. ")
+
+
+@dataclass
+class Request:
+    messages: list[dict[str, str]]
+    max_tokens: int
+
+
+def chat_workload(num_requests: int = 256, min_tokens: int = 16, max_tokens: int = 256, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        task = rng.choice(TASKS).format(t=rng.choice(TOPICS))
+        content = CONTEXT * rng.randint(0, 4) + task  # prompts of about 20 to 170 tokens
+        requests.append(Request([{"role": "user", "content": content}], rng.randint(min_tokens, max_tokens)))
+    return requests
