@@ -43,13 +43,6 @@ def hf_model():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from engine.models import load_tokenizer
-    from engine.config import EngineConfig
-    return load_tokenizer(EngineConfig())
-
-
-@pytest.fixture(scope="module")
 def references(hf_model, tokenizer):
     cache = {}
 

@@ -1,0 +1,127 @@
+"""AsyncLLMEngine: streams of deltas, abort by close or cancel, bad input that never stops the loop."""
+import asyncio
+
+import pytest
+
+from engine import AsyncLLMEngine, EngineInputError, SamplingParams
+
+CHAT = [{"role": "user", "content": "Write a long story about a dragon."}]
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncLLMEngine(dtype="float32", num_kv_blocks=256, max_num_seqs=16)
+    yield eng
+    eng.shutdown()
+
+
+async def wait_idle(engine, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while engine.engine.has_unfinished_requests():
+        assert asyncio.get_running_loop().time() < deadline, engine.stats()
+        await asyncio.sleep(0.01)
+    return engine.stats()
+
+
+async def test_stream_deltas_add_up_to_the_offline_result(engine):
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = [o async for o in engine.generate(CHAT, params, "stream-1")]
+    assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert "".join(o.delta_text for o in outs) == outs[-1].text
+    assert sum((o.delta_token_ids for o in outs), []) == outs[-1].token_ids
+    assert outs[-1].num_prompt_tokens == len(outs[-1].prompt_token_ids)
+
+
+async def test_concurrent_requests_each_get_their_own_answer(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in range(6)]
+
+    async def run(i):
+        return [o async for o in engine.generate(prompts[i], params, f"conc-{i}")][-1]
+
+    together = await asyncio.gather(*(run(i) for i in range(6)))
+    alone = [await run(i) for i in range(6)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+
+
+async def test_closing_the_stream_aborts_and_frees_blocks(engine):
+    stream = engine.add_request("close-me", CHAT, SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    await anext(stream)
+    await anext(stream)
+    await stream.aclose()
+    stats = await wait_idle(engine)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
+
+
+async def test_cancelling_the_consumer_aborts_the_request(engine):
+    async def consume():
+        async for _ in engine.generate(CHAT, SamplingParams(max_tokens=500, ignore_eos=True), "cancel-me"):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stats = await wait_idle(engine)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+async def test_abort_by_id_ends_the_stream_with_abort(engine):
+    stream = engine.add_request("abort-me", CHAT, SamplingParams(max_tokens=500, ignore_eos=True))
+    await anext(stream)
+    await engine.abort("abort-me")
+    last = [o async for o in stream][-1]
+    assert last.finish_reason == "abort"
+
+
+BAD = [
+    ("", {}, "empty"),
+    ([], {}, "empty"),
+    ({"text": "hi"}, {}, "prompt must be"),
+    ([{"role": "wizard", "content": "hi"}], {}, "role"),
+    ([{"role": "user", "content": 3}], {}, "content"),
+    ([10**9], {}, "outside the vocabulary"),
+    ("x " * 9000, {}, "context"),
+    ("hello", {"max_tokens": 0}, "max_tokens"),
+    ("hello", {"max_tokens": 10**9}, "exceed"),
+    ("hello", {"temperature": -1.0}, "temperature"),
+    ("hello", {"top_p": 0.0}, "top_p"),
+    ("hello", {"top_p": 1.5}, "top_p"),
+    ("hello", {"stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,message", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+async def test_bad_input_raises_a_clear_error_and_the_loop_keeps_serving(engine, prompt, params, message):
+    with pytest.raises(EngineInputError, match=message):
+        engine.add_request("bad", prompt, SamplingParams(**params) if params else SamplingParams())
+    outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0))]
+    assert outs[-1].finish_reason == "length"
+
+
+async def test_a_duplicate_request_id_is_refused(engine):
+    stream = engine.add_request("dup", CHAT, SamplingParams(max_tokens=50, ignore_eos=True))
+    with pytest.raises(EngineInputError, match="already in flight"):
+        engine.add_request("dup", CHAT, SamplingParams(max_tokens=5))
+    await stream.aclose()
+    await wait_idle(engine)
+
+
+async def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
+    original = engine.engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.engine.runner, "execute", flaky)
+    outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "victim")]
+    assert outs[-1].finish_reason == "abort" and "engine step failed" in outs[-1].error
+    monkeypatch.setattr(engine.engine.runner, "execute", original)
+    after = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "survivor")]
+    assert after[-1].finish_reason == "length" and engine.is_running

@@ -1,0 +1,96 @@
+"""Stops, lengths, seeds and text of the offline API on the embedded model (fp32)."""
+import pytest
+
+from engine import SamplingParams
+
+CHAT = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
+
+
+def test_max_tokens_gives_length_and_exact_count(llm32):
+    out = llm32.chat([CHAT], SamplingParams(max_tokens=7, temperature=0.0), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7 and out.text
+
+
+def test_eos_stops_with_stop_and_the_eos_is_counted_but_not_shown(llm32):
+    out = llm32.chat([[{"role": "user", "content": "What is the capital of France?"}]],
+                     SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm32.engine.eos_token_ids
+    assert "Paris" in out.text and "<|im_end|>" not in out.text
+
+
+def test_ignore_eos_runs_to_max_tokens(llm32):
+    out = llm32.chat([[{"role": "user", "content": "Say hi."}]],
+                     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 40
+
+
+def test_stop_string_truncates_the_text(llm32):
+    free = llm32.chat([CHAT], SamplingParams(max_tokens=40, temperature=0.0), use_tqdm=False)[0]
+    word = free.text.split()[3]
+    out = llm32.chat([CHAT], SamplingParams(max_tokens=40, temperature=0.0, stop=[word]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[: free.text.index(word)]
+
+
+def test_stop_token_ids_stop_on_that_token(llm32):
+    free = llm32.chat([CHAT], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)[0]
+    target = free.token_ids[5]
+    out = llm32.chat([CHAT], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[target]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+
+
+def test_same_seed_same_text_and_other_seed_other_text(llm32):
+    def sample(seed):
+        params = SamplingParams(max_tokens=30, temperature=1.0, seed=seed)
+        return llm32.chat([CHAT], params, use_tqdm=False)[0].text
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_seeded_output_does_not_depend_on_the_batch_around_it(llm32):
+    seeded = SamplingParams(max_tokens=30, temperature=0.8, seed=7)
+    alone = llm32.chat([CHAT], seeded, use_tqdm=False)[0].token_ids
+    others = [[{"role": "user", "content": f"Tell me about number {i}."}] for i in range(5)]
+    params = [SamplingParams(max_tokens=30, temperature=1.0)] * 5 + [seeded]
+    batched = llm32.chat(others + [CHAT], params, use_tqdm=False)[-1].token_ids
+    assert alone == batched
+
+
+def test_prompts_as_token_ids_and_text_agree(llm32, tokenizer):
+    text = "The quick brown fox"
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    by_text, by_ids = llm32.generate([text, tokenizer.encode(text)], params, use_tqdm=False)
+    assert by_text.token_ids == by_ids.token_ids and by_text.prompt_token_ids == by_ids.prompt_token_ids
+
+
+def test_text_equals_the_decoded_tokens(llm32, tokenizer):
+    out = llm32.chat([CHAT], SamplingParams(max_tokens=50, temperature=0.0), use_tqdm=False)[0]
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_logprobs_come_back_per_token(llm32):
+    out = llm32.chat([CHAT], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) >= 3 and max(entry.values()) == entry[token]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_engine_sets_torch_threads_from_its_config(num_threads):
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    LLMEngine(EngineConfig(num_threads=num_threads, num_kv_blocks=16))
+    assert torch.get_num_threads() == num_threads
+
+
+def test_default_thread_count_is_every_core():
+    import os
+
+    from engine.config import EngineConfig
+
+    assert EngineConfig().resolved_num_threads() == os.cpu_count()

@@ -1,0 +1,39 @@
+"""Model loading beyond the default: NF4 through bitsandbytes, and a second architecture family (GPT-2)."""
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from engine import LLM, SamplingParams
+from tests.engine.helpers import assert_matches_reference, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+def test_nf4_answers_a_simple_factual_question():
+    llm = LLM(quantization="nf4", num_kv_blocks=64)
+    linear = llm.engine.model.model.layers[0].mlp.down_proj
+    assert type(linear).__name__ == "Linear4bit", type(linear)
+    out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
+                   SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
+    assert out.text.strip() and "Paris" in out.text, out.text
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory, tokenizer):
+    """A small randomly initialised GPT-2 (learned positions, fused QKV, Conv1D), saved like any HF checkpoint."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=3, n_head=4)
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_gpt2_family_matches_hf_generate(tiny_gpt2, tokenizer):
+    hf = GPT2LMHeadModel.from_pretrained(tiny_gpt2, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [tokenizer.encode(t) for t in ("Hello there", "A much longer prompt " * 8, "x")]
+    llm = LLM(model=str(tiny_gpt2), dtype="float32", num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_matches_reference(out.token_ids, hf_greedy(hf, prompt, 20), f"gpt2 prompt of {len(prompt)}")
