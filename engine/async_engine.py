@@ -31,6 +31,18 @@ class RequestStream:
     def put(self, item: RequestOutput | Exception) -> None:
         self._queue.put_nowait(item)
 
+    def ready(self) -> list[RequestOutput]:
+        """Outputs already delivered, taken without waiting (to coalesce deltas); stops at the final one."""
+        items = []
+        while not self.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, Exception):
+                self._queue.put_nowait(item)  # raised by the next __anext__
+                break
+            self.finished = item.finished
+            items.append(item)
+        return items
+
     def __aiter__(self) -> "RequestStream":
         return self
 

@@ -5,6 +5,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,13 +60,37 @@ def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int,
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests)}
 
 
+def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, threads: int) -> list[dict]:
+    """vLLM's CPU build in its own virtualenv, as a subprocess on the same prompts (tokenized here)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    workload = [{"prompt_token_ids": tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True),
+                 "max_tokens": r.max_tokens} for r in requests]
+    for w in workload:
+        w["prompt_token_ids"] = tokenizer.encode(w["prompt_token_ids"], add_special_tokens=False)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(workload, f)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_peer.py"
+    proc = subprocess.run([str(python), str(script), resolve_model_path(model), f.name, str(runs)],
+                          env=env, stdout=subprocess.PIPE, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}); run it by hand: {python} {script}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def summarize(results: list[dict]) -> dict:
+    rates = [r["output_tokens"] / r["seconds"] for r in results]
+    return {**results[0], "tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates}
+
+
 def median_of(runs: int, fn: Callable[[], dict], label: str) -> dict:
     results = []
     for i in range(runs):
         console.print(f"[bold]{label}[/bold] run {i + 1}/{runs}")
         results.append(fn())
-    rates = [r["output_tokens"] / r["seconds"] for r in results]
-    return {**results[0], "tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates}
+    return summarize(results)
 
 
 @app.command()
@@ -81,6 +107,7 @@ def main(
     max_num_batched_tokens: int = 2048,
     hf_batch_size: int = 64,
     skip_hf: bool = typer.Option(False, help="engine only (no baseline, so no ratio)"),
+    vllm_python: Path | None = typer.Option(None, help="python of a venv with vllm-cpu: adds vLLM as a peer"),
     out_dir: Path = Path("benchmarks/results"),
 ):
     requests = chat_workload(num_requests, min_tokens, max_tokens, seed)
@@ -94,6 +121,10 @@ def main(
         top = max(thread_counts)
         results[f"HF static ({top} thr)"] = median_of(runs, lambda: run_hf_static(requests, model, dtype, top, hf_batch_size),
                                                       f"HF generate, static batches of {hf_batch_size}")
+    if vllm_python is not None:
+        top = max(thread_counts)
+        console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
+        results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top))
     report(results, requests, dict(model=model, dtype=dtype, runs=runs, num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens), out_dir)
@@ -102,12 +133,13 @@ def main(
 def report(results: dict[str, dict], requests: list[Request], settings: dict, out_dir: Path) -> None:
     baseline = next((v["tokens_per_s"] for k, v in results.items() if k.startswith("HF static")), None)
     table = Table(title=f"{len(requests)} requests, {settings['dtype']}, median of {settings['runs']}")
-    for column in ("system", "output tok/s", "req/s", "x HF static", "runs (tok/s)"):
+    peer = next((v["tokens_per_s"] for k, v in results.items() if k.startswith("vLLM")), None)
+    for column in ("system", "output tok/s", "req/s", "x HF static", "x vLLM", "runs (tok/s)"):
         table.add_column(column, justify="right")
     for name, r in results.items():
         rate = r["tokens_per_s"]
         table.add_row(name, f"{rate:.0f}", f"{rate * len(requests) / r['output_tokens']:.2f}",
-                      f"{rate / baseline:.2f}x" if baseline else "-", ", ".join(f"{x:.0f}" for x in r["all_tokens_per_s"]))
+                      f"{rate / baseline:.2f}x" if baseline else "-", f"{rate / peer:.2f}x" if peer else "-", ", ".join(f"{x:.0f}" for x in r["all_tokens_per_s"]))
     console.print(table)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -1,0 +1,47 @@
+"""The application builder: `serve run serve_app.app:build_app` (args from a config) or `serve_app.app:app`."""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import BackpressureConfig
+
+from serve_app.config import AppArgs
+from serve_app.ingress import IngressDeployment
+from serve_app.replica import EngineReplica
+
+INGRESS_TARGET_ONGOING = 256
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    args = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
+    backpressure = BackpressureConfig(status_code=429, retry_after_s=args.retry_after_s)
+    replica = serve.deployment(EngineReplica).options(
+        name="EngineReplica",
+        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+        max_ongoing_requests=args.replica_max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
+        backpressure_config=backpressure,
+        autoscaling_config={
+            "min_replicas": args.min_replicas,
+            "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests or args.max_num_seqs,
+        },
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+        health_check_period_s=5,
+    )
+    ingress = serve.deployment(IngressDeployment).options(
+        name="Ingress",
+        ray_actor_options={"num_cpus": 0},  # a 2-core node must still fit the engine replica beside it
+        max_ongoing_requests=4 * INGRESS_TARGET_ONGOING,
+        max_queued_requests=args.max_queued_requests,
+        backpressure_config=backpressure,
+        autoscaling_config={"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
+                            "target_ongoing_requests": INGRESS_TARGET_ONGOING},
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+    )
+    return ingress.bind(replica.bind(args), args)
+
+
+app = build_app()

@@ -1,0 +1,67 @@
+"""AppArgs: everything `build_app` takes, typed. Serve configs pass these as `args`."""
+from __future__ import annotations
+
+import os
+from pathlib import PurePath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # the model and engine
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    quantization: Literal["nf4", "int8"] | None = None
+    device: str = "auto"
+    num_threads: int | None = Field(default=None, ge=1, description="torch threads per replica; default: node cores")
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = Field(default=128, ge=1)
+    max_num_batched_tokens: int = Field(default=1024, ge=16)
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_waiting: int = Field(default=256, ge=1, description="queued requests per replica before 429")
+
+    # placement and scaling
+    num_gpus: float = Field(default=0, ge=0, description="per engine replica; 1 on a GPU cluster")
+    num_cpus: float = Field(default=1, ge=0, description="per engine replica (logical CPUs Ray reserves)")
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    target_ongoing_requests: float | None = Field(default=None, gt=0, description="default: max_num_seqs")
+    ingress_max_replicas: int = Field(default=2, ge=1)
+    max_queued_requests: int = Field(default=1024, description="Serve's own per-caller queue: the last resort")
+
+    # HTTP behaviour
+    api_key: str | None = Field(default_factory=lambda: os.environ.get("LLM_SERVE_API_KEY") or None)
+    default_max_tokens: int | None = Field(default=None, ge=1, description="when a request gives none")
+    max_tokens_limit: int = Field(default=4096, ge=1, description="cap on the default max_tokens")
+    request_timeout_s: float = Field(default=600, gt=0)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    retry_after_s: int = Field(default=1, ge=0)
+    graceful_shutdown_timeout_s: float = Field(default=30, ge=0)
+    log_prompts: bool = Field(default=False, description="debug only: prompts and completions in logs")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or PurePath(self.model).name
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, quantization=self.quantization, device=self.device,
+            num_threads=self.num_threads, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
+        )
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        # every running and queued request holds a streaming call open on the replica
+        return self.max_num_seqs + self.max_waiting + 32  # headroom so the engine, not Serve, answers overload

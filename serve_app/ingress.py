@@ -1,0 +1,181 @@
+"""Ingress: FastAPI behind Serve. Auth, body limits, validation and the OpenAI protocol; no model logic."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import AppArgs
+from serve_app.errors import OpenAIError, envelope, install_error_handlers
+from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, chunk_body,
+                                       completion_body, usage)
+
+log = logging.getLogger("ray.serve")
+HEALTH_TIMEOUT_S = 2.0
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+api = FastAPI(title="llm-serve", docs_url=None, redoc_url=None)
+install_error_handlers(api)
+
+
+@api.middleware("http")
+async def guard(request: Request, call_next):
+    """Request id on every response, body size limit, and the bearer key on /v1/*."""
+    incoming = request.headers.get("x-request-id", "")
+    request.state.request_id = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
+    try:
+        args: AppArgs = request.app.state.args
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > args.max_body_bytes):
+            raise OpenAIError(413, f"request body is over the limit of {args.max_body_bytes} bytes")
+        if request.url.path.startswith("/v1/") and args.api_key and not _authorized(request, args.api_key):
+            raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        response = await call_next(request)
+    except OpenAIError as exc:
+        response = exc.response()
+    response.headers["X-Request-Id"] = request.state.request_id
+    return response
+
+
+def _authorized(request: Request, key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, args: AppArgs):
+        self.engine = engine
+        self.args = args
+        api.state.args = args
+        self._model_info: dict | None = None
+
+    @api.get("/health")
+    async def health(self):
+        try:
+            stats = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            raise OpenAIError(503, f"no ready engine replica ({type(exc).__name__})", retry_after_s=self.args.retry_after_s)
+        if not stats.get("engine_running"):
+            raise OpenAIError(503, "the engine loop is not running", retry_after_s=self.args.retry_after_s)
+        return {"status": "ok", "num_running": stats["num_running"], "num_waiting": stats["num_waiting"]}
+
+    @api.get("/v1/models")
+    async def models(self):
+        info = await self._info()
+        return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
+                                            "owned_by": "llm-serve", "max_model_len": info["max_model_len"]}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._serve(body, body.prompt, chat=False, request=request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        messages = [m.model_dump() for m in body.messages]
+        return await self._serve(body, messages, chat=True, request=request)
+
+    # -- one request ---------------------------------------------------------------------------------
+
+    async def _info(self) -> dict:
+        if self._model_info is None:
+            self._model_info = await self._call(self.engine.info.remote())
+        return self._model_info
+
+    async def _serve(self, body: SamplingFields, prompt, chat: bool, request: Request):
+        if body.model is not None and body.model != self.args.model_name:
+            raise OpenAIError(404, f"model '{body.model}' does not exist; this server serves '{self.args.model_name}'",
+                              "model", "model_not_found")
+        request_id = request.state.request_id
+        job = {"request_id": request_id, "prompt": prompt, "params": _sampling_params(body)}
+        stream = self.engine.options(stream=True).generate.remote(job)
+        try:
+            admitted = await self._call(asyncio.wait_for(anext(stream), self.args.request_timeout_s))
+            if "error" in admitted:
+                raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
+                                  admitted["error"]["code"], self.args.retry_after_s if admitted["status"] == 429 else None)
+        except BaseException:
+            stream.cancel()
+            raise
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._sse(stream, request_id, created, chat, admitted["prompt_tokens"], include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            text, tokens, finish_reason = await asyncio.wait_for(_collect(stream), self.args.request_timeout_s)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise OpenAIError(504, f"request timed out after {self.args.request_timeout_s:g} s", code="timeout")
+        return JSONResponse(completion_body(request_id, self.args.model_name, text, finish_reason, chat,
+                                            usage(admitted["prompt_tokens"], tokens), created))
+
+    async def _sse(self, stream, request_id: str, created: int, chat: bool, prompt_tokens: int, include_usage: bool):
+        model, tokens, first = self.args.model_name, 0, True
+        try:
+            async with asyncio.timeout(self.args.request_timeout_s):
+                async for delta in stream:
+                    if delta.get("error"):
+                        raise RuntimeError(delta["error"])
+                    tokens = delta["completion_tokens"]
+                    if delta["text"] or delta["finish_reason"] or first:
+                        yield _sse(chunk_body(request_id, model, delta["text"], delta["finish_reason"], chat, created, first))
+                        first = False
+            if include_usage:
+                final = chunk_body(request_id, model, "", None, chat, created)
+                final["choices"], final["usage"] = [], usage(prompt_tokens, tokens)
+                yield _sse(final)
+        except Exception as exc:  # headers are gone: report in-band, then end the stream properly
+            log.warning("stream %s failed: %s", request_id, type(exc).__name__)
+            status = 504 if isinstance(exc, TimeoutError) else 500
+            yield _sse(envelope(status, f"generation failed: {exc}" if status == 500 else "request timed out"))
+        finally:
+            stream.cancel()
+        yield "data: [DONE]\n\n"
+
+    async def _call(self, awaitable):
+        """Await a handle call, turning Serve's failures into OpenAI errors."""
+        try:
+            return await awaitable
+        except BackPressureError:
+            raise OpenAIError(429, "server overloaded, retry later", code="overloaded", retry_after_s=self.args.retry_after_s)
+        except asyncio.TimeoutError:
+            raise OpenAIError(504, f"request timed out after {self.args.request_timeout_s:g} s", code="timeout")
+        except OpenAIError:
+            raise
+        except Exception as exc:
+            log.warning("engine call failed: %s", type(exc).__name__)
+            raise OpenAIError(503, f"no engine replica could serve the request ({type(exc).__name__})",
+                              retry_after_s=self.args.retry_after_s)
+
+
+async def _collect(stream) -> tuple[str, int, str | None]:
+    parts, tokens, finish_reason = [], 0, None
+    async for delta in stream:
+        if delta.get("error"):
+            raise OpenAIError(500, f"generation failed: {delta['error']}")
+        parts.append(delta["text"])
+        tokens, finish_reason = delta["completion_tokens"], delta["finish_reason"]
+    return "".join(parts), tokens, finish_reason
+
+
+def _sampling_params(body: SamplingFields) -> dict:
+    return {"max_tokens": body.requested_max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "stop": body.stop, "seed": body.seed, "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty, "ignore_eos": body.ignore_eos}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+IngressDeployment = serve.ingress(api)(Ingress)

@@ -1,0 +1,89 @@
+"""One local Ray cluster and one Serve app for the whole session, on loopback, torn down whatever happens."""
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = dict(dtype="float32", num_kv_blocks=1024, max_num_seqs=64, max_waiting=64, api_key=API_KEY,
+                    max_tokens_limit=256, request_timeout_s=60, max_body_bytes=64 * 1024, retry_after_s=1)
+        serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base)
+        yield {"base_url": base, "api_key": API_KEY, "args": args}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def wait_healthy(base: str, timeout: float = 300) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/health never became healthy")
+
+
+@pytest.fixture(scope="session")
+def replica_handle(serve_app):
+    from ray import serve
+
+    return serve.get_deployment_handle("EngineReplica", app_name="llm")
+
+
+@pytest.fixture(scope="session")
+def base_url(serve_app):
+    return serve_app["base_url"]
+
+
+@pytest.fixture(scope="session")
+def auth():
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(autouse=True)
+def replica_blocks_free_after_test(request):
+    """Every serve test ends with the replica idle and every KV block free (within 10 s of in-flight aborts)."""
+    yield
+    if "serve_app" not in request.fixturenames:
+        return
+    handle = request.getfixturevalue("replica_handle")
+    deadline = time.monotonic() + 10
+    while True:
+        stats = handle.stats.remote().result(timeout_s=10)
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        if idle:
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)

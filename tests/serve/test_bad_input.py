@@ -1,0 +1,79 @@
+"""A matrix of bad requests: each gets its status and an OpenAI error envelope that says what is wrong."""
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+OK_COMP = {"prompt": "hi", "max_tokens": 4}
+
+
+def chat(**changes):
+    return {**OK_CHAT, **changes}
+
+
+def comp(**changes):
+    return {**OK_COMP, **changes}
+
+
+CASES = [
+    # (id, method, path, json body or raw bytes, extra headers, status, words expected in the message)
+    ("malformed json", "POST", CHAT, b'{"messages": [', {}, 400, "JSON"),
+    ("non-object body", "POST", CHAT, b"[1, 2, 3]", {}, 400, "object"),
+    ("wrong content type", "POST", CHAT, b"messages=hi", {"content-type": "text/plain"}, 400, ""),
+    ("missing prompt", "POST", COMPLETIONS, {"max_tokens": 4}, {}, 400, "prompt"),
+    ("empty prompt", "POST", COMPLETIONS, comp(prompt=""), {}, 400, "prompt"),
+    ("missing messages", "POST", CHAT, {"max_tokens": 4}, {}, 400, "messages"),
+    ("empty messages", "POST", CHAT, chat(messages=[]), {}, 400, "messages"),
+    ("wrong role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), {}, 400, "role"),
+    ("content not text", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), {}, 400, "content"),
+    ("unknown model", "POST", CHAT, chat(model="gpt-9"), {}, 404, "gpt-9"),
+    ("prompt over context", "POST", COMPLETIONS, comp(prompt="hi " * 9000), {}, 400, "context"),
+    ("max_tokens 0", "POST", COMPLETIONS, comp(max_tokens=0), {}, 400, "max_tokens"),
+    ("max_tokens -1", "POST", COMPLETIONS, comp(max_tokens=-1), {}, 400, "max_tokens"),
+    ("max_tokens 1e9", "POST", COMPLETIONS, comp(max_tokens=10**9), {}, 400, "context"),
+    ("max_tokens text", "POST", COMPLETIONS, comp(max_tokens="ten"), {}, 400, "max_tokens"),
+    ("max_tokens float", "POST", COMPLETIONS, comp(max_tokens=1.5), {}, 400, "max_tokens"),
+    ("temperature negative", "POST", CHAT, chat(temperature=-1), {}, 400, "temperature"),
+    ("temperature too high", "POST", CHAT, chat(temperature=3), {}, 400, "temperature"),
+    ("top_p zero", "POST", CHAT, chat(top_p=0), {}, 400, "top_p"),
+    ("top_p above one", "POST", CHAT, chat(top_p=1.5), {}, 400, "top_p"),
+    ("presence_penalty out of range", "POST", CHAT, chat(presence_penalty=5), {}, 400, "presence_penalty"),
+    ("empty stop string", "POST", CHAT, chat(stop=[""]), {}, 400, "stop"),
+    ("too many stop strings", "POST", CHAT, chat(stop=[f"s{i}" for i in range(17)]), {}, 400, "stop"),
+    ("n above one", "POST", CHAT, chat(n=2), {}, 400, "n"),
+    ("token id outside vocabulary", "POST", COMPLETIONS, comp(prompt=[10**9]), {}, 400, "vocabulary"),
+    ("bad stream_options", "POST", CHAT, chat(stream=True, stream_options="yes"), {}, 400, "stream_options"),
+    ("oversized body", "POST", CHAT, chat(messages=[{"role": "user", "content": "x" * 70_000}]), {}, 413, "limit"),
+    ("missing api key", "POST", CHAT, OK_CHAT, {"authorization": ""}, 401, "API key"),
+    ("wrong api key", "POST", CHAT, OK_CHAT, {"authorization": "Bearer nope"}, 401, "API key"),
+    ("unknown route", "POST", "/v1/nothing", OK_CHAT, {}, 404, "not found"),
+    ("wrong method", "GET", CHAT, None, {}, 405, ""),
+    ("bad input when streaming is still a plain 400", "POST", CHAT, chat(stream=True, max_tokens=0), {}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_request_gets_status_and_envelope(base_url, auth, case):
+    _, method, path, body, headers, status, words = case
+    request_headers = {**auth, **headers}
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    if isinstance(body, bytes):
+        request_headers.setdefault("content-type", "application/json")
+    r = httpx.request(method, base_url + path, headers=request_headers, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    assert r.headers.get("x-request-id")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert words.lower() in error["message"].lower(), error
+
+
+def test_after_the_matrix_a_normal_request_succeeds(base_url, auth):
+    r = httpx.post(base_url + CHAT, json=OK_CHAT, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_health_needs_no_key_and_request_ids_are_echoed(base_url, auth):
+    assert httpx.get(base_url + "/health", timeout=10).status_code == 200
+    r = httpx.post(base_url + CHAT, json=OK_CHAT, headers={**auth, "X-Request-Id": "my-id-42"}, timeout=60)
+    assert r.headers["x-request-id"] == "my-id-42" and r.json()["id"] == "my-id-42"

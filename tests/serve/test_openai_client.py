@@ -1,0 +1,114 @@
+"""The official `openai` client against the real app under Ray Serve (fp32 engine, embedded model)."""
+import asyncio
+import time
+
+import openai
+import pytest
+
+from tests.engine.helpers import NEAR_TIE
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def client(serve_app):
+    return openai.OpenAI(base_url=serve_app["base_url"] + "/v1", api_key=serve_app["api_key"], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient(serve_app):
+    return openai.AsyncOpenAI(base_url=serve_app["base_url"] + "/v1", api_key=serve_app["api_key"], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The same engine offline, fp32: what greedy answers through HTTP must equal."""
+    from engine import LLM
+
+    return LLM(dtype="float32", num_kv_blocks=512)
+
+
+def test_models_lists_the_served_model_with_its_context(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 8192
+
+
+def test_chat_completion_with_usage_matching_the_tokenizer(client, offline):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+    expected_prompt = len(offline.engine.tokenize(messages))
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == expected_prompt
+    assert r.usage.completion_tokens == len(offline.engine.tokenizer.encode(r.choices[0].message.content)) + 1  # + EOS
+
+
+def test_completion_without_model_field_and_length_finish(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10 and r.choices[0].text
+
+
+def test_streaming_chat_first_chunk_well_before_the_last(client):
+    start = time.monotonic()
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        max_tokens=120, temperature=0, stream=True, stream_options={"include_usage": True})
+    arrivals, text, usage = [], "", None
+    for chunk in stream:
+        arrivals.append(time.monotonic() - start)
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert len(arrivals) > 5 and arrivals[0] < arrivals[-1] / 3, arrivals
+    assert usage is not None and usage.completion_tokens == 120 and text
+
+
+def test_streaming_completion(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="The sea is", max_tokens=16, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks)
+
+
+def test_same_seed_same_text(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=24,
+                                         temperature=1.0, seed=1234).choices[0].text
+
+    assert sample() == sample()
+
+
+async def test_sixteen_identical_greedy_requests_agree(aclient):
+    async def one():
+        r = await aclient.completions.create(model=MODEL, prompt="List three fruits:", max_tokens=32, temperature=0)
+        return r.choices[0].text
+
+    answers = await asyncio.gather(*(one() for _ in range(16)))
+    assert len(set(answers)) == 1
+
+
+async def test_thirty_two_different_prompts_get_their_own_answers(aclient, offline):
+    import torch
+
+    from engine import SamplingParams
+
+    prompts = [f"Write one sentence about the number {i} and the colour {c}." for i, c in
+               zip(range(32), ["red", "green", "blue", "gold"] * 8)]
+
+    async def one(p):
+        return await aclient.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+
+    responses = await asyncio.gather(*(one(p) for p in prompts))
+    expected = offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    tok = offline.engine.tokenizer
+    for prompt, response, want in zip(prompts, responses, expected):
+        assert response.usage.prompt_tokens == len(tok.encode(prompt))
+        got_text = response.choices[0].text
+        if got_text == want.text:
+            continue
+        # allowed only at a near-tie: find the first differing token and compare the offline logprobs there
+        got_ids = tok.encode(got_text, add_special_tokens=False)
+        k = next(i for i, (a, b) in enumerate(zip(got_ids, want.token_ids)) if a != b)
+        ids = torch.tensor([want.prompt_token_ids + want.token_ids[:k]])
+        from tests.engine.helpers import load_hf_model
+        logprobs = torch.log_softmax(load_hf_model(MODEL)(ids).logits[0, -1].float(), -1)
+        assert abs(float(logprobs[got_ids[k]] - logprobs[want.token_ids[k]])) < NEAR_TIE, (prompt, got_text, want.text)

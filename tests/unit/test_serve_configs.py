@@ -1,0 +1,34 @@
+"""The shipped Serve configs load through Ray Serve's own schema, and their args through AppArgs."""
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app.app import build_app
+from serve_app.config import AppArgs
+
+CONFIGS = sorted(Path("serve_app").glob("config*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_passes_serve_schema_and_app_args(path):
+    raw = yaml.safe_load(path.read_text())
+    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
+    (application,) = schema.applications
+    assert application.import_path == "serve_app.app:build_app"
+    args = AppArgs(**application.args)
+    build_app(args)  # the deployment options it implies are valid
+
+
+def test_local_config_binds_loopback_and_gpu_config_asks_for_gpus():
+    local = yaml.safe_load(Path("serve_app/config.yaml").read_text())
+    gpu = yaml.safe_load(Path("serve_app/config.gpu.yaml").read_text())
+    assert local["http_options"]["host"] == "127.0.0.1" and local["http_options"]["port"] == 8000
+    assert AppArgs(**gpu["applications"][0]["args"]).num_gpus == 1
+
+
+def test_replica_concurrency_is_sized_to_the_engine_not_serve_defaults():
+    args = AppArgs(max_num_seqs=64, max_waiting=100)
+    assert args.replica_max_ongoing_requests > 64 + 100
+    assert AppArgs().model_name == "SmolLM2-135M-Instruct"
