@@ -35,7 +35,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
-    if first.get("type") == "model_attributes_type" or (not location and "dict" in message.lower()):
+    if not location and first.get("type") in ("model_attributes_type", "dict_type"):
         return "the request body must be a JSON object", None
     return (f"{param}: {message}" if param else message), param
 

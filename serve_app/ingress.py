@@ -24,29 +24,6 @@ log = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 2.0
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
-api = FastAPI(title="llm-serve", docs_url=None, redoc_url=None)
-install_error_handlers(api)
-
-
-@api.middleware("http")
-async def guard(request: Request, call_next):
-    """Request id on every response, body size limit, and the bearer key on /v1/*."""
-    incoming = request.headers.get("x-request-id", "")
-    request.state.request_id = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
-    try:
-        args: AppArgs = request.app.state.args
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > args.max_body_bytes):
-            raise OpenAIError(413, f"request body is over the limit of {args.max_body_bytes} bytes")
-        if request.url.path.startswith("/v1/") and args.api_key and not _authorized(request, args.api_key):
-            raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        response = await call_next(request)
-    except OpenAIError as exc:
-        response = exc.response()
-    response.headers["X-Request-Id"] = request.state.request_id
-    return response
-
-
 def _authorized(request: Request, key: str) -> bool:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
@@ -56,11 +33,13 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, args: AppArgs):
         self.engine = engine
         self.args = args
-        api.state.args = args
         self._model_info: dict | None = None
 
-    @api.get("/health")
-    async def health(self):
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve calls this in each replica after __init__, so routes and middleware see this replica's args."""
+        return build_api(self)
+
+    async def health(self) -> dict:
         try:
             stats = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
         except Exception as exc:
@@ -69,20 +48,10 @@ class Ingress:
             raise OpenAIError(503, "the engine loop is not running", retry_after_s=self.args.retry_after_s)
         return {"status": "ok", "num_running": stats["num_running"], "num_waiting": stats["num_waiting"]}
 
-    @api.get("/v1/models")
-    async def models(self):
+    async def models(self) -> dict:
         info = await self._info()
         return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
                                             "owned_by": "llm-serve", "max_model_len": info["max_model_len"]}]}
-
-    @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        return await self._serve(body, body.prompt, chat=False, request=request)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        messages = [m.model_dump() for m in body.messages]
-        return await self._serve(body, messages, chat=True, request=request)
 
     # -- one request ---------------------------------------------------------------------------------
 
@@ -91,7 +60,7 @@ class Ingress:
             self._model_info = await self._call(self.engine.info.remote())
         return self._model_info
 
-    async def _serve(self, body: SamplingFields, prompt, chat: bool, request: Request):
+    async def respond(self, body: SamplingFields, prompt, chat: bool, request: Request):
         if body.model is not None and body.model != self.args.model_name:
             raise OpenAIError(404, f"model '{body.model}' does not exist; this server serves '{self.args.model_name}'",
                               "model", "model_not_found")
@@ -178,4 +147,45 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-IngressDeployment = serve.ingress(api)(Ingress)
+def build_api(ingress: Ingress) -> FastAPI:
+    args = ingress.args
+    api = FastAPI(title="llm-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(api)
+
+    @api.middleware("http")
+    async def guard(request: Request, call_next):
+        """Body size limit and the bearer key on /v1/*; the request id comes from Serve's proxy."""
+        incoming = request.headers.get("x-request-id", "")
+        request.state.request_id = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
+        try:
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > args.max_body_bytes):
+                raise OpenAIError(413, f"request body is over the limit of {args.max_body_bytes} bytes")
+            if request.url.path.startswith("/v1/") and args.api_key and not _authorized(request, args.api_key):
+                raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+            response = await call_next(request)
+        except OpenAIError as exc:
+            response = exc.response()
+        return response  # Serve's proxy sets X-Request-Id on every response, from the request's own when it has one
+
+    @api.get("/health")
+    async def health():
+        return await ingress.health()
+
+    @api.get("/v1/models")
+    async def models():
+        return await ingress.models()
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await ingress.respond(body, body.prompt, chat=False, request=request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await ingress.respond(body, [m.model_dump() for m in body.messages], chat=True, request=request)
+
+    return api
+
+
+IngressDeployment = serve.ingress()(Ingress)
