@@ -16,8 +16,8 @@ def client(serve_app):
     return openai.OpenAI(base_url=serve_app["base_url"] + "/v1", api_key=serve_app["api_key"], max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def aclient(serve_app):
+@pytest.fixture
+def aclient(serve_app):  # per test: an async client is bound to its event loop
     return openai.AsyncOpenAI(base_url=serve_app["base_url"] + "/v1", api_key=serve_app["api_key"], max_retries=0, timeout=120)
 
 
