@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from ray import serve
 
@@ -45,7 +46,10 @@ class EngineReplica:
             if params.get("max_tokens") is None:
                 remaining = self.engine.engine.max_model_len - len(token_ids)
                 params["max_tokens"] = max(1, min(self.args.default_max_tokens or remaining, self.args.max_tokens_limit, remaining))
-            return self.engine.add_request(request["request_id"], token_ids, SamplingParams(**params)), len(token_ids)
+            # Serve may retry a request under the same public id; an abort queued for the old attempt must never
+            # hit the new one, so the engine sees an id of its own per attempt.
+            engine_id = f"{request['request_id']}#{uuid.uuid4().hex[:12]}"
+            return self.engine.add_request(engine_id, token_ids, SamplingParams(**params)), len(token_ids)
         except EngineInputError as exc:
             return {"status": 400, **envelope(400, str(exc), exc.param)}
         except EngineOverloadedError as exc:

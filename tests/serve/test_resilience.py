@@ -39,8 +39,8 @@ async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth,
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
-@pytest.mark.xfail(reason="a 200 with 1 completion token was seen once under a 400-request burst; not yet explained",
-                   strict=False)
+@pytest.mark.xfail(reason="under a 400-request burst some 200s carry 1 completion token instead of 16 (reproducible; "
+                          "not request-id reuse, which is now ruled out); open defect", strict=False)
 async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
     body = {"prompt": "Tell me a joke.", "max_tokens": 16, "temperature": 0}
 
