@@ -63,10 +63,11 @@ def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int,
 def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, threads: int) -> list[dict]:
     """vLLM's CPU build in its own virtualenv, as a subprocess on the same prompts (tokenized here)."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
-    workload = [{"prompt_token_ids": tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True),
-                 "max_tokens": r.max_tokens} for r in requests]
-    for w in workload:
-        w["prompt_token_ids"] = tokenizer.encode(w["prompt_token_ids"], add_special_tokens=False)
+    def prompt_ids(r: Request) -> list[int]:
+        text = tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens} for r in requests]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload, f)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

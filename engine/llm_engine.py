@@ -5,7 +5,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -44,7 +44,7 @@ class OutputState:
     sent_token_len: int = 0
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
-    stop_holdback: int = field(default=0)
+    stop_holdback: int = 0
 
 
 class LLMEngine:
