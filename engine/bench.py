@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL
+from engine.metrics import PrometheusSink, StepMetrics
 from engine.models import resolve_model_path
 from engine.workload import Request, chat_workload
 
@@ -30,6 +31,7 @@ console = Console()
 
 def run_engine(requests: list[Request], model: str, dtype: str, threads: int, **engine_kwargs) -> dict:
     llm = LLM(model=model, dtype=dtype, num_threads=threads, **engine_kwargs)
+    llm.engine.attach_metrics(StepMetrics(PrometheusSink(), "bench"))  # as in serving: its cost is part of the figure
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
     llm.generate([[0, 1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -38,7 +40,8 @@ def run_engine(requests: list[Request], model: str, dtype: str, threads: int, **
     assert all(len(o.token_ids) == r.max_tokens for o, r in zip(outputs, requests))
     stats = llm.engine.stats()
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests),
-            "steps": stats["num_steps"], "preemptions": stats["num_preemptions"]}
+            "steps": stats["num_steps"], "preemptions": stats["num_preemptions"],
+            "metrics_share_of_step": llm.engine.metrics.update_seconds / llm.engine.step_seconds}
 
 
 def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int, batch_size: int = 64) -> dict:
@@ -135,12 +138,13 @@ def report(results: dict[str, dict], requests: list[Request], settings: dict, ou
     baseline = next((v["tokens_per_s"] for k, v in results.items() if k.startswith("HF static")), None)
     table = Table(title=f"{len(requests)} requests, {settings['dtype']}, median of {settings['runs']}")
     peer = next((v["tokens_per_s"] for k, v in results.items() if k.startswith("vLLM")), None)
-    for column in ("system", "output tok/s", "req/s", "x HF static", "x vLLM", "runs (tok/s)"):
+    for column in ("system", "output tok/s", "req/s", "x HF static", "x vLLM", "metrics % of step", "runs (tok/s)"):
         table.add_column(column, justify="right")
     for name, r in results.items():
         rate = r["tokens_per_s"]
         table.add_row(name, f"{rate:.0f}", f"{rate * len(requests) / r['output_tokens']:.2f}",
-                      f"{rate / baseline:.2f}x" if baseline else "-", f"{rate / peer:.2f}x" if peer else "-", ", ".join(f"{x:.0f}" for x in r["all_tokens_per_s"]))
+                      f"{rate / baseline:.2f}x" if baseline else "-", f"{rate / peer:.2f}x" if peer else "-",
+                      f"{r['metrics_share_of_step']:.2%}" if "metrics_share_of_step" in r else "-", ", ".join(f"{x:.0f}" for x in r["all_tokens_per_s"]))
     console.print(table)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

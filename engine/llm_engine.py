@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.cpu_kernels import paged_decode_op
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
+from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.sampler import Sampler, make_generator
@@ -48,7 +49,9 @@ class OutputState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+    def __init__(self, config: EngineConfig | None = None, metrics: StepMetrics | None = None, **overrides: Any):
+        self.metrics = metrics
+        self.step_seconds = 0.0
         self.config = config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
         torch.set_num_threads(config.resolved_num_threads())
         self.device = resolve_device(config.device)
@@ -196,6 +199,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.out_of_memory]
@@ -205,7 +209,17 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self.sequences.pop(out.request_id, None)
+        if self.metrics is not None:
+            self._record_metrics(outputs, batch.num_tokens)
+        self.step_seconds += time.perf_counter() - start
         return outputs
+
+    def _record_metrics(self, outputs: list[RequestOutput], step_tokens: int) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            if out.finished:
+                self.metrics.finished(out.metrics.arrival_time, now, "error" if out.error else out.finish_reason)
+        self.metrics.flush(self.stats(), step_tokens)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._inbox_lock:
@@ -261,9 +275,11 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
         state: OutputState = seq.runtime
         seq.append_token(token)
-        now = time.monotonic()
-        seq.metrics.first_token_time = seq.metrics.first_token_time or now
-        seq.metrics.last_token_time = now
+        now, timing = time.monotonic(), seq.metrics
+        if self.metrics is not None:
+            self.metrics.token(timing.arrival_time, timing.first_scheduled_time, timing.last_token_time, now)
+        timing.first_token_time = timing.first_token_time or now
+        timing.last_token_time = now
         if state.logprobs is not None:
             state.logprobs.append(logprob)
         state.text += state.detokenizer.add(token)
@@ -319,6 +335,11 @@ class LLMEngine:
         state.sent_text_len, state.sent_token_len = visible, len(output_ids)
         return out
 
+    def attach_metrics(self, metrics: StepMetrics) -> None:
+        """Report from now on; counters start from the current totals. Call before the step loop starts."""
+        metrics.start_from(self.stats())
+        self.metrics = metrics
+
     # -- introspection --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
@@ -338,9 +359,9 @@ class LLMEngine:
 class LLM:
     """Offline API: generate for a list of prompts and return when all are done."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any):
+    def __init__(self, model: str | None = None, metrics: StepMetrics | None = None, **kwargs: Any):
         config = EngineConfig(**({"model": model} if model else {}), **kwargs)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, metrics)
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -27,13 +27,16 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "min_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,
             "target_ongoing_requests": args.target_ongoing_requests or args.max_num_seqs,
+            "upscale_delay_s": args.upscale_delay_s,
+            "downscale_delay_s": args.downscale_delay_s,
+            "look_back_period_s": args.look_back_period_s,
         },
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         health_check_period_s=5,
     )
     ingress = serve.deployment(IngressDeployment).options(
         name="Ingress",
-        ray_actor_options={"num_cpus": 0},  # a 2-core node must still fit the engine replica beside it
+        ray_actor_options={"num_cpus": 0, "resources": args.ingress_resources},  # 0 CPUs: the engine replica must fit beside it
         max_ongoing_requests=4 * INGRESS_TARGET_ONGOING,
         max_queued_requests=args.max_queued_requests,
         backpressure_config=backpressure,

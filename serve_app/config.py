@@ -35,7 +35,12 @@ class AppArgs(BaseModel):
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=1, ge=1)
     target_ongoing_requests: float | None = Field(default=None, gt=0, description="default: max_num_seqs")
+    upscale_delay_s: float = Field(default=30, ge=0, description="Serve autoscaling: sustained load before adding")
+    downscale_delay_s: float = Field(default=600, ge=0, description="Serve autoscaling: sustained idleness before removing")
+    look_back_period_s: float = Field(default=30, gt=0, description="Serve autoscaling: window of the load average")
     ingress_max_replicas: int = Field(default=2, ge=1)
+    ingress_resources: dict[str, float] = Field(default_factory=dict,
+                                                description="custom Ray resources that pin the ingress, e.g. {head: 0.01}")
     max_queued_requests: int = Field(default=1024, description="Serve's own per-caller queue: the last resort")
 
     # HTTP behaviour

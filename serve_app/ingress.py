@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, chunk_body,
@@ -151,16 +152,14 @@ def build_api(ingress: Ingress) -> FastAPI:
     args = ingress.args
     api = FastAPI(title="llm-serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(api)
+    api.add_middleware(BodyLimit, max_bytes=args.max_body_bytes)  # inside `guard`, whose receive wrapping hides errors
 
     @api.middleware("http")
     async def guard(request: Request, call_next):
-        """Body size limit and the bearer key on /v1/*; the request id comes from Serve's proxy."""
+        """The bearer key on /v1/*; the request id comes from Serve's proxy."""
         incoming = request.headers.get("x-request-id", "")
         request.state.request_id = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
         try:
-            length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > args.max_body_bytes):
-                raise OpenAIError(413, f"request body is over the limit of {args.max_body_bytes} bytes")
             if request.url.path.startswith("/v1/") and args.api_key and not _authorized(request, args.api_key):
                 raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")

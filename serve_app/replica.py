@@ -5,12 +5,15 @@ import logging
 import time
 import uuid
 
+import ray
 from ray import serve
 
 from engine import AsyncLLMEngine, EngineInputError, EngineOverloadedError, SamplingParams
 from engine.async_engine import RequestStream
+from engine.metrics import StepMetrics
 from serve_app.config import AppArgs
 from serve_app.errors import envelope
+from serve_app.metrics import RaySink
 
 log = logging.getLogger("ray.serve")
 
@@ -25,8 +28,12 @@ class EngineReplica:
         self.args = args
         self.engine = AsyncLLMEngine(args.engine_config())
         self._warm_up()
+        self.engine.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.engine.start()
         self.model_info = {"max_model_len": self.engine.engine.max_model_len, "model": args.model_name}
+        self.placement = {"replica_id": serve.get_replica_context().replica_id.unique_id,
+                          "node_id": ray.get_runtime_context().get_node_id(),
+                          "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def _warm_up(self) -> None:
         """One short generation before the replica reports ready: first-call costs stay out of user latency."""
@@ -78,7 +85,10 @@ class EngineReplica:
             await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "engine_running": self.engine.is_running, "time": time.time()}
+        llm = self.engine.engine
+        metrics_share = llm.metrics.update_seconds / llm.step_seconds if llm.metrics and llm.step_seconds else 0.0
+        return {**self.engine.stats(), **self.placement, "engine_running": self.engine.is_running, "time": time.time(),
+                "metrics_share_of_step": metrics_share}
 
     def info(self) -> dict:
         return self.model_info

@@ -25,7 +25,10 @@ def serve_app():
     from serve_app.app import build_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    metrics_port = free_port()
+    # metrics every second instead of Ray's 10 s, so the Prometheus test does not wait on export
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:
         port = free_port()
@@ -35,7 +38,7 @@ def serve_app():
         serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
-        yield {"base_url": base, "api_key": API_KEY, "args": args}
+        yield {"base_url": base, "api_key": API_KEY, "args": args, "metrics_port": metrics_port}
     finally:
         try:
             serve.shutdown()

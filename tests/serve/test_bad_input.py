@@ -80,3 +80,15 @@ def test_health_needs_no_key_and_request_ids_are_echoed(base_url, auth):
     assert httpx.get(base_url + "/health", timeout=10).status_code == 200
     r = httpx.post(base_url + CHAT, json=OK_CHAT, headers={**auth, "X-Request-Id": "my-id-42"}, timeout=60)
     assert r.headers["x-request-id"] == "my-id-42" and r.json()["id"] == "my-id-42"
+
+
+def test_a_chunked_body_without_length_is_capped_too(base_url, auth):
+    def chunks():
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(70):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    r = httpx.post(base_url + CHAT, content=chunks(), headers={**auth, "content-type": "application/json"}, timeout=60)
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"], r.text

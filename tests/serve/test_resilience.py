@@ -39,10 +39,9 @@ async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth,
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
-@pytest.mark.xfail(reason="under a 400-request burst some 200s carry 1 completion token instead of 16 (reproducible; "
-                          "not request-id reuse, which is now ruled out); open defect", strict=False)
 async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
-    body = {"prompt": "Tell me a joke.", "max_tokens": 16, "temperature": 0}
+    # ignore_eos: this raw (untemplated) prompt makes the model stop at once, which hid nothing but proved nothing
+    body = {"prompt": "Tell me a joke.", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
     async def one(client):
         r = await client.post(base_url + "/v1/completions", json=body, headers=auth)

@@ -1,0 +1,142 @@
+"""Engine metrics, defined once (design.md section 5): specs, a sink interface, and the prometheus_client sink.
+
+The engine flushes one batch of updates per step through `StepMetrics`; the sink decides where they go. Inside Ray
+Serve that is `serve_app.metrics.RaySink`; standalone it is `PrometheusSink`. Counters are named by their base name:
+both sinks export them with a `_total` suffix.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 450, 600)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+METRICS: dict[str, Metric] = {m.name: m for m in [
+    Metric("engine_num_requests_running", "gauge", "Sequences in the running batch"),
+    Metric("engine_num_requests_waiting", "gauge", "Requests queued, not yet scheduled"),
+    Metric("engine_kv_cache_usage_ratio", "gauge", "Used KV blocks / total KV blocks"),
+    Metric("engine_prompt_tokens", "counter", "Prefill tokens computed"),
+    Metric("engine_generation_tokens", "counter", "Tokens generated"),
+    Metric("engine_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
+    Metric("engine_prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
+    Metric("engine_num_preemptions", "counter", "Sequences preempted (recomputed later)"),
+    Metric("engine_request_success", "counter", "Finished requests", ("finish_reason",)),
+    Metric("engine_steps", "counter", "Engine steps"),
+    Metric("engine_time_to_first_token_seconds", "histogram", "Arrival to first token", buckets=TTFT_BUCKETS),
+    Metric("engine_inter_token_latency_seconds", "histogram", "Time between tokens of a request", buckets=ITL_BUCKETS),
+    Metric("engine_e2e_request_latency_seconds", "histogram", "Arrival to finish", buckets=E2E_BUCKETS),
+    Metric("engine_request_queue_time_seconds", "histogram", "Arrival to first scheduled", buckets=QUEUE_BUCKETS),
+    Metric("engine_iteration_tokens", "histogram", "Tokens per engine step", buckets=STEP_TOKEN_BUCKETS),
+]}
+# counter -> the key of LLMEngine.stats() that holds its running total
+COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_tokens": "generation_tokens",
+                   "engine_prefix_cache_queries": "prefix_cache_queries", "engine_prefix_cache_hits": "prefix_cache_hits",
+                   "engine_num_preemptions": "num_preemptions", "engine_steps": "num_steps"}
+
+
+class MetricsSink(Protocol):
+    """Where updates go. `labels` always holds model_name plus the metric's own labels."""
+
+    def inc(self, name: str, value: float, labels: dict[str, str]) -> None: ...
+    def set(self, name: str, value: float, labels: dict[str, str]) -> None: ...
+    def observe(self, name: str, values: list[float], labels: dict[str, str]) -> None: ...
+
+
+class PrometheusSink:
+    """prometheus_client objects for a standalone engine; `serve(port)` exposes them on 127.0.0.1."""
+
+    def __init__(self, registry=None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry or CollectorRegistry()
+        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        self._metrics = {}
+        for m in METRICS.values():
+            extra = {"buckets": m.buckets} if m.kind == "histogram" else {}
+            self._metrics[m.name] = kinds[m.kind](m.name, m.help, ("model_name", *m.labels), registry=self.registry, **extra)
+
+    def inc(self, name: str, value: float, labels: dict[str, str]) -> None:
+        self._metrics[name].labels(**labels).inc(value)
+
+    def set(self, name: str, value: float, labels: dict[str, str]) -> None:
+        self._metrics[name].labels(**labels).set(value)
+
+    def observe(self, name: str, values: list[float], labels: dict[str, str]) -> None:
+        child = self._metrics[name].labels(**labels)
+        for value in values:
+            child.observe(value)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr, registry=self.registry)
+
+
+@dataclass
+class StepMetrics:
+    """What one engine step produced, gathered while it runs and flushed to the sink once at its end."""
+
+    sink: MetricsSink
+    model_name: str
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    queue_time: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    update_seconds: float = 0.0  # time spent flushing, to show it stays a small share of the step
+    _reported: dict[str, int] = field(default_factory=dict)
+
+    def start_from(self, stats: dict[str, int]) -> None:
+        self._reported = {name: stats[key] for name, key in COUNTER_SOURCES.items()}
+
+    def token(self, arrival: float, first_scheduled: float | None, previous_token: float | None, now: float) -> None:
+        if previous_token is None:
+            self.ttft.append(now - arrival)
+            self.queue_time.append((first_scheduled or now) - arrival)
+        else:
+            self.itl.append(now - previous_token)
+
+    def finished(self, arrival: float, now: float, reason: str) -> None:
+        self.e2e.append(now - arrival)
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+
+    def flush(self, stats: dict[str, int], step_tokens: int) -> None:
+        start = time.perf_counter()
+        base = {"model_name": self.model_name}
+        sink = self.sink
+        sink.set("engine_num_requests_running", stats["num_running"], base)
+        sink.set("engine_num_requests_waiting", stats["num_waiting"], base)
+        sink.set("engine_kv_cache_usage_ratio", 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"], base)
+        for name, key in COUNTER_SOURCES.items():
+            total = stats[key]
+            delta = total - self._reported.get(name, 0)
+            if delta:
+                sink.inc(name, delta, base)
+                self._reported[name] = total
+        for reason, count in self.finish_reasons.items():
+            sink.inc("engine_request_success", count, {**base, "finish_reason": reason})
+        for name, values in (("engine_time_to_first_token_seconds", self.ttft), ("engine_inter_token_latency_seconds", self.itl),
+                             ("engine_request_queue_time_seconds", self.queue_time), ("engine_e2e_request_latency_seconds", self.e2e)):
+            if values:
+                sink.observe(name, values, base)
+        if step_tokens:
+            sink.observe("engine_iteration_tokens", [step_tokens], base)
+        self.ttft, self.itl, self.queue_time, self.e2e, self.finish_reasons = [], [], [], [], {}
+        self.update_seconds += time.perf_counter() - start

@@ -1,0 +1,69 @@
+"""Engine metrics through the prometheus_client sink: the exported values match what the engine did."""
+import httpx
+from prometheus_client import generate_latest
+
+from engine import SamplingParams
+from engine.metrics import METRICS, PrometheusSink, StepMetrics
+
+
+def sample(sink: PrometheusSink, name: str, **labels) -> float:
+    value = sink.registry.get_sample_value(name, {"model_name": "m", **labels})
+    return 0.0 if value is None else value
+
+
+def test_counters_and_histograms_match_the_requests(llm32):
+    engine = llm32.engine
+    sink = PrometheusSink()
+    engine.attach_metrics(StepMetrics(sink, "m"))
+    try:
+        lengths = [3, 5, 9]
+        outs = llm32.generate(["Once upon a time", "The sky is", "Hello"],
+                              [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths], use_tqdm=False)
+        engine.add_request("to-abort", "A request that is aborted", SamplingParams(max_tokens=50))
+        engine.step()
+        engine.abort("to-abort")
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.metrics = None
+    assert sample(sink, "engine_generation_tokens_total") == sum(lengths) + 1  # the aborted one got its first token
+    assert sample(sink, "engine_prompt_tokens_total") > 0  # prefill actually computed (cached blocks are not)
+    assert sample(sink, "engine_request_success_total", finish_reason="length") == 3
+    assert sample(sink, "engine_request_success_total", finish_reason="abort") == 1
+    assert sample(sink, "engine_time_to_first_token_seconds_count") == 4
+    assert sample(sink, "engine_inter_token_latency_seconds_count") == sum(n - 1 for n in lengths)
+    assert sample(sink, "engine_e2e_request_latency_seconds_count") == 4
+    assert sample(sink, "engine_steps_total") >= max(lengths)
+    assert sample(sink, "engine_num_requests_running") == 0 and sample(sink, "engine_kv_cache_usage_ratio") == 0
+    assert engine.metrics is None and StepMetrics(sink, "m").update_seconds == 0
+
+
+def test_every_contract_metric_is_exported_with_model_name():
+    sink = PrometheusSink()
+    metrics = StepMetrics(sink, "m")
+    metrics.token(0.0, 0.1, None, 0.2)
+    metrics.token(0.0, 0.1, 0.2, 0.3)
+    metrics.finished(0.0, 0.3, "stop")
+    stats = {"num_running": 1, "num_waiting": 2, "kv_blocks_free": 3, "kv_blocks_total": 4, "prompt_tokens": 5,
+             "generation_tokens": 2, "prefix_cache_queries": 5, "prefix_cache_hits": 1, "num_preemptions": 1, "num_steps": 2}
+    metrics.flush(stats, step_tokens=6)
+    text = generate_latest(sink.registry).decode()
+    for m in METRICS.values():
+        exported = m.name + ("_total" if m.kind == "counter" else "_count" if m.kind == "histogram" else "")
+        assert f'{exported}{{' in text and 'model_name="m"' in text, m.name
+    assert sample(sink, "engine_kv_cache_usage_ratio") == 0.25
+    metrics.flush({**stats, "generation_tokens": 7}, step_tokens=1)
+    assert sample(sink, "engine_generation_tokens_total") == 7  # deltas, not re-added totals
+
+
+def test_standalone_sink_serves_on_loopback():
+    from tests.serve.conftest import free_port
+
+    sink = PrometheusSink()
+    StepMetrics(sink, "m").flush({"num_running": 0, "num_waiting": 0, "kv_blocks_free": 1, "kv_blocks_total": 1,
+                                  "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
+                                  "prefix_cache_hits": 0, "num_preemptions": 0, "num_steps": 1}, 0)
+    port = free_port()
+    sink.serve(port)
+    body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    assert 'engine_steps_total{model_name="m"} 1.0' in body

@@ -1,0 +1,161 @@
+"""Every dashboard query and alert rule, evaluated by a real Prometheus scraping the real app after mixed traffic."""
+import asyncio
+import json
+import logging
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from dashboards.build import panel_queries, render
+from tests.serve.conftest import free_port, wait_healthy
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "obs-model"
+SHARED_PREFIX = "You are a careful assistant who answers in one short paragraph. " * 4
+
+
+@pytest.fixture(scope="module")
+def obs_app(serve_app):
+    """A second app with a tiny KV pool (so preemptions happen) and its own model_name (so counts are exact)."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    args = {**serve_app["args"], "served_model_name": MODEL, "num_kv_blocks": 24, "max_num_seqs": 8}
+    serve.run(build_app(args), name="obs", route_prefix="/obs", blocking=False)
+    base = serve_app["base_url"] + "/obs"
+    wait_healthy(base)
+    try:
+        yield base
+    finally:
+        serve.delete("obs")
+
+
+@pytest.fixture(scope="module")
+def prometheus(serve_app, tmp_path_factory):
+    config = yaml.safe_load((ROOT / "dashboards/prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(ROOT / "dashboards/alerts.yml")]
+    config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{serve_app['metrics_port']}"]}]
+    workdir = tmp_path_factory.mktemp("prometheus")
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(["prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not _ready(url):
+            assert time.monotonic() < deadline and proc.poll() is None, "prometheus did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/-/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def query(prom: str, expr: str) -> list:
+    r = httpx.get(prom + "/api/v1/query", params={"query": expr}, timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "success", f"{expr}\n{r.text}"
+    return r.json()["data"]["result"]
+
+
+async def mixed_traffic(base: str, auth: dict) -> dict:
+    """Normal, streaming, shared-prefix, preempting, erroring and cancelled requests. Returns what must be counted."""
+    sent = {"ok": 0, "completion_tokens": 0, "cancelled": 0, "cancelled_max_tokens": 0}
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=120) as client:
+        async def complete(prompt: str, max_tokens: int) -> None:
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            sent["ok"] += 1
+            sent["completion_tokens"] += r.json()["usage"]["completion_tokens"]
+
+        async def stream_chat(content: str) -> None:
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+            sent["ok"] += 1
+            sent["completion_tokens"] += json.loads(lines[-1][len("data: "):])["usage"]["completion_tokens"]
+
+        for i in range(3):  # one after another, so the later ones hit the cached prefix blocks
+            await complete(SHARED_PREFIX + f"Question {i}: why is the sky blue?", 8)
+        await asyncio.gather(*(stream_chat(f"Tell me about the number {i}.") for i in range(4)))
+        # 8 requests of ~140 tokens each against a 384-token pool: some must be preempted and recomputed
+        await asyncio.gather(*(complete(f"Count slowly from {i}:", 120) for i in range(8)))
+        assert (await client.post("/v1/completions", json={"prompt": "", "max_tokens": 4})).status_code == 400
+        assert (await client.post("/v1/completions", json={"prompt": "hi", "model": "nope"})).status_code == 404
+        body = {"prompt": "Write a very long story.", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # the client walks away mid-stream
+        sent["cancelled"], sent["cancelled_max_tokens"] = 1, 200
+    return sent
+
+
+def wait_for(prom: str, expr: str, want, timeout: float = 60) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = query(prom, expr)
+        value = float(result[0]["value"][1]) if result else None
+        if value is not None and want(value):
+            return value
+        assert time.monotonic() < deadline, f"{expr} = {value}"
+        time.sleep(1)
+
+
+def substitute(expr: str) -> str:
+    return (expr.replace("$__rate_interval", "3m").replace('"$model_name"', f'"{MODEL}"').replace('"$replica"', '".*"'))
+
+
+def test_every_panel_and_rule_evaluates_against_live_prometheus(obs_app, prometheus, auth):
+    sent = asyncio.run(mixed_traffic(obs_app, auth))
+    selector = f'model_name="{MODEL}"'
+    finished = wait_for(prometheus, f'sum(ray_engine_request_success_total{{{selector}, finish_reason=~"stop|length"}})',
+                        lambda v: v >= sent["ok"])
+    assert finished == sent["ok"], "a request was counted twice"
+    wait_for(prometheus, f'sum(ray_engine_request_success_total{{{selector}, finish_reason="abort"}})', lambda v: v >= 1)
+    generated = wait_for(prometheus, f"sum(ray_engine_generation_tokens_total{{{selector}}})",
+                         lambda v: v >= sent["completion_tokens"])
+    assert generated <= sent["completion_tokens"] + sent["cancelled_max_tokens"], (generated, sent)
+    wait_for(prometheus, f"sum(ray_engine_num_preemptions_total{{{selector}}})", lambda v: v > 0)
+    wait_for(prometheus, f"sum(ray_engine_prefix_cache_hits_total{{{selector}}})", lambda v: v > 0)
+    time.sleep(3)  # one more scrape, so every rate() has two samples after the last event
+
+    empty = []
+    for name, text in render().items():
+        for title, expr in panel_queries(text):
+            if not query(prometheus, substitute(expr)):
+                empty.append(f"{name} / {title}: {expr}")
+    assert not empty, "panels with no data:\n" + "\n".join(empty)
+
+    labels = httpx.get(prometheus + "/api/v1/label/model_name/values",
+                       params={"match[]": "ray_engine_num_requests_running"}, timeout=10).json()["data"]
+    assert MODEL in labels  # the $model_name variable's query
+    rules = yaml.safe_load((ROOT / "dashboards/alerts.yml").read_text())["groups"][0]["rules"]
+    for rule in rules:
+        query(prometheus, rule["expr"])  # parses and evaluates
+    loaded = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"][0]["rules"]
+    assert {r["name"] for r in loaded} == {r["alert"] for r in rules}
+    assert all(r["health"] in ("ok", "unknown") for r in loaded), [(r["name"], r.get("lastError")) for r in loaded]
+    from ray import serve
+
+    stats = serve.get_deployment_handle("EngineReplica", app_name="obs").stats.remote().result(timeout_s=10)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0, stats
+    log.warning("dashboards: %d panel queries non-empty; %d alert rules evaluate; sent %s",
+                sum(len(panel_queries(t)) for t in render().values()), len(rules), sent)

@@ -1,0 +1,61 @@
+"""Graceful shutdown, on a second app of its own (bf16, the default dtype) so the shared one keeps serving."""
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import wait_healthy
+
+pytestmark = pytest.mark.slow
+log = logging.getLogger(__name__)
+MAX_TOKENS = 96
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, headers: dict, started: asyncio.Event) -> dict:
+    body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "max_tokens": MAX_TOKENS,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    chunks = []
+    async with client.stream("POST", url, json=body, headers=headers) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[len("data: "):])
+                started.set()
+    return {"done": chunks[-1] == "[DONE]", "events": [json.loads(c) for c in chunks[:-1]]}
+
+
+async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(serve_app, auth):
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    args = {**serve_app["args"], "dtype": "auto", "graceful_shutdown_timeout_s": 60}
+    serve.run(build_app(args), name="drain", route_prefix="/drain", blocking=False)
+    base = serve_app["base_url"] + "/drain"
+    await asyncio.to_thread(wait_healthy, base)
+    async with httpx.AsyncClient(timeout=120) as client:
+        smoke = await client.post(base + "/v1/chat/completions", headers=auth,
+                                  json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
+        assert smoke.status_code == 200 and smoke.json()["usage"]["completion_tokens"] >= 1  # the bf16 default serves
+
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.create_task(read_stream(client, base + "/v1/chat/completions", auth, s)) for s in started]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        began = time.monotonic()
+        deleting = asyncio.create_task(asyncio.to_thread(serve.delete, "drain"))
+        await asyncio.sleep(1.0)
+        refused = await client.post(base + "/v1/chat/completions", headers=auth, timeout=10,
+                                    json={"messages": [{"role": "user", "content": "late"}], "max_tokens": 4})
+        results = await asyncio.wait_for(asyncio.gather(*streams), 90)
+        await asyncio.wait_for(deleting, 90)
+        log.warning("shutdown drained 4 in-flight streams in %.1f s; a new request meanwhile got %d",
+                    time.monotonic() - began, refused.status_code)
+
+    assert refused.status_code in (404, 503), refused.text
+    for result in results:
+        assert result["done"], "a stream was cut off by the shutdown"
+        assert not any("error" in e for e in result["events"]), result["events"]
+        assert result["events"][-1]["usage"]["completion_tokens"] == MAX_TOKENS
