@@ -45,6 +45,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _openai(_: Request, exc: OpenAIError):
         return exc.response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):  # last resort: never a plain-text 500
+        return OpenAIError(500, f"internal error ({type(exc).__name__})").response()
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         message, param = describe_validation_error(exc)

@@ -81,11 +81,11 @@ class Ingress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._sse(stream, request_id, created, chat, admitted["prompt_tokens"], include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            text, tokens, finish_reason = await asyncio.wait_for(_collect(stream), self.args.request_timeout_s)
-        except asyncio.TimeoutError:
+        try:  # a replica that dies mid-generation surfaces here: a 503 in the envelope, like any handle failure
+            text, tokens, finish_reason = await self._call(asyncio.wait_for(_collect(stream), self.args.request_timeout_s))
+        except BaseException:
             stream.cancel()
-            raise OpenAIError(504, f"request timed out after {self.args.request_timeout_s:g} s", code="timeout")
+            raise
         return JSONResponse(completion_body(request_id, self.args.model_name, text, finish_reason, chat,
                                             usage(admitted["prompt_tokens"], tokens), created))
 

@@ -6,9 +6,13 @@ CPU with 1 thread. Prints one JSON line "RESULT {...}" with the measured times; 
 """
 from __future__ import annotations
 
+import os
+
+# Without this, ray.init swaps the head's 127.0.0.1 for the machine's own address, which nothing listens on here.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 import asyncio
 import json
-import os
 import socket
 import sys
 import threading
