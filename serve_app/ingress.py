@@ -12,6 +12,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -23,6 +24,7 @@ from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest,
 
 log = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 2.0
+ADMISSION_ATTEMPTS = 3
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 def _authorized(request: Request, key: str) -> bool:
@@ -67,15 +69,10 @@ class Ingress:
                               "model", "model_not_found")
         request_id = request.state.request_id
         job = {"request_id": request_id, "prompt": prompt, "params": _sampling_params(body)}
-        stream = self.engine.options(stream=True).generate.remote(job)
-        try:
-            admitted = await self._call(asyncio.wait_for(anext(stream), self.args.request_timeout_s))
-            if "error" in admitted:
-                raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
-                                  admitted["error"]["code"], self.args.retry_after_s if admitted["status"] == 429 else None)
-        except BaseException:
-            stream.cancel()
-            raise
+        stream, admitted = await self._call(self._admit(job))
+        if "error" in admitted:
+            raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
+                              admitted["error"]["code"], self.args.retry_after_s if admitted["status"] == 429 else None)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -88,6 +85,22 @@ class Ingress:
             raise
         return JSONResponse(completion_body(request_id, self.args.model_name, text, finish_reason, chat,
                                             usage(admitted["prompt_tokens"], tokens), created))
+
+    async def _admit(self, job: dict):
+        """Start a generation. A replica found dead at admission (its node just went) is retried on another one:
+        nothing was generated or sent yet, so the retry is invisible to the client."""
+        for attempt in range(1, ADMISSION_ATTEMPTS + 1):
+            stream = self.engine.options(stream=True).generate.remote(job)
+            try:
+                return stream, await asyncio.wait_for(anext(stream), self.args.request_timeout_s)
+            except RayActorError as exc:
+                stream.cancel()
+                if attempt == ADMISSION_ATTEMPTS:
+                    raise
+                log.warning("engine replica gone at admission (%s); retrying elsewhere", type(exc).__name__)
+            except BaseException:
+                stream.cancel()
+                raise
 
     async def _sse(self, stream, request_id: str, created: int, chat: bool, prompt_tokens: int, include_usage: bool):
         model, tokens, first = self.args.model_name, 0, True

@@ -146,12 +146,13 @@ def check_placement(head_id: str, worker_ids: set[str]) -> list[dict]:
 
 
 def check_node_loss(results: list[dict], removed_at: float) -> dict:
-    """Only requests in flight on the lost node may fail, each with a clear 5xx; after recovery all succeed."""
+    """Only requests already in flight when the node went may fail, each with a clear 5xx in the envelope; one sent
+    after it is admitted elsewhere (the ingress retries a replica found dead at admission)."""
     failed = [r for r in results if not r["ok"]]
     for r in failed:
         assert 500 <= r["status"] < 600, f"a failure that is not a clear 5xx: {r}"
-        assert r["start"] < removed_at + 15, f"a request sent well after the node loss failed: {r}"
-        assert "error" in r["message"], r
+        assert r["start"] <= removed_at + 0.5, f"a request sent after the node loss failed: {r}"
+        assert '"error"' in r["message"], r
     in_flight = [r for r in results if r["start"] <= removed_at <= r["end"]]
     after = sorted((r for r in results if r["start"] > removed_at), key=lambda r: r["start"])
     last_failure = max((r["end"] for r in failed), default=removed_at)
