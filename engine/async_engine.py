@@ -75,6 +75,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
+        self.loop_threads = 0  # torch threads as seen from the step loop's own thread
 
     @property
     def is_running(self) -> bool:
@@ -116,7 +117,7 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def stats(self) -> dict[str, int]:
-        return self.engine.stats()
+        return {**self.engine.stats(), "loop_threads": self.loop_threads}
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -129,6 +130,7 @@ class AsyncLLMEngine:
 
     def _run_loop(self) -> None:
         try:
+            self.loop_threads = self.engine.claim_threads()
             while not self._stop.is_set():
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(IDLE_WAIT_S)

@@ -53,7 +53,7 @@ class LLMEngine:
         self.metrics = metrics
         self.step_seconds = 0.0
         self.config = config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
-        torch.set_num_threads(config.resolved_num_threads())
+        self.claim_threads()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(config, self.device, self.dtype, register_paged_attention())
@@ -76,6 +76,12 @@ class LLMEngine:
                  self.runner.num_blocks, config.block_size)
 
     # -- set-up ------------------------------------------------------------------------------------
+
+    def claim_threads(self) -> int:
+        """Set torch's thread count for the calling OS thread. Under OpenMP the count is per thread, and Ray sets
+        OMP_NUM_THREADS=1, so a background step loop must call this itself or it runs on one core."""
+        torch.set_num_threads(self.config.resolved_num_threads())
+        return torch.get_num_threads()
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()

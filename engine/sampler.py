@@ -5,6 +5,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+NUCLEUS_CANDIDATES = 1024
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """Each sampled request owns its generator, so its draws never depend on the batch around it."""
@@ -33,10 +35,7 @@ class Sampler:
         logprobs = self._logprobs(logits, params)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), params, output_token_ids)
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            tokens = [self._sample_row(row, p, g) for row, p, g in zip(logits, params, generators)]
+        tokens = logits.argmax(dim=-1).tolist() if all(p.greedy for p in params) else self._sample(logits, params, generators)
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
@@ -49,23 +48,40 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-        if p.greedy:
-            return int(logits.argmax())
-        logits = logits / p.temperature
-        if p.top_k > 0 and p.top_k < logits.shape[0]:
-            kth = torch.topk(logits, p.top_k).values[-1]
+    def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+        """Every row at once: temperature, then the top-k / top-p / min-p masks, then the inverse CDF at one uniform
+        draw from the row's own generator (one random number per token, where a Gumbel race needs one per vocab entry)."""
+        n, vocab = logits.shape
+        column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
+        logits = logits / column([p.temperature if not p.greedy else 1.0 for p in params])
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if min(top_k) < vocab:
+            kth = logits.topk(max(k for k in top_k if k < vocab), dim=-1).values
+            kth = kth.gather(1, torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k], device=logits.device)[:, None])
+            kth[torch.tensor(top_k, device=logits.device) >= vocab] = float("-inf")  # rows without top-k keep everything
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        # Exponential race: argmax(p / E) draws from p, using only this request's generator.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / noise).argmax())
+        nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if nucleus_rows:
+            rows = torch.tensor(nucleus_rows, device=logits.device)
+            probs[rows] = Sampler._nucleus(probs[rows], column([params[i].top_p for i in nucleus_rows]))
+        if any(p.min_p > 0.0 for p in params):
+            probs = probs.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True), 0.0)
+        cdf = probs.cumsum(-1)
+        draws = [1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0 for g in generators]
+        targets = column(draws) * cdf[:, -1:]  # in (0, total]: the first index reaching it has non-zero probability
+        tokens = torch.searchsorted(cdf, targets).clamp_(max=vocab - 1).squeeze(1).tolist()
+        return [int(row.argmax()) if p.greedy else t for row, p, t in zip(logits, params, tokens)]
+
+    @staticmethod
+    def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Keep the smallest set of tokens whose mass reaches top_p. A full sort of the vocabulary costs ~2 ms a row
+        on CPU, so the top candidates are tried first; rows they do not cover fall back to the sort."""
+        values, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
+        if bool((values.sum(-1, keepdim=True) < top_p).any()):
+            values, order = probs.sort(dim=-1, descending=True)
+        drop = values.cumsum(-1) - values > top_p
+        return torch.zeros_like(probs).scatter(1, order, values.masked_fill(drop, 0.0))
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:

@@ -125,3 +125,12 @@ async def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
     monkeypatch.setattr(engine.engine.runner, "execute", original)
     after = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "survivor")]
     assert after[-1].finish_reason == "length" and engine.is_running
+
+
+async def test_the_step_loop_thread_uses_the_configured_threads(engine, monkeypatch):
+    """OpenMP thread counts are per OS thread and Ray sets OMP_NUM_THREADS=1: the loop thread must claim its own."""
+    import os
+
+    outs = [o async for o in engine.generate(CHAT, SamplingParams(max_tokens=2), "threads-1")]
+    assert outs[-1].finished
+    assert engine.stats()["loop_threads"] == engine.engine.config.resolved_num_threads() == os.cpu_count()

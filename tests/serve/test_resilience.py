@@ -60,6 +60,13 @@ async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
     log.warning("burst of 400: %d ok, %d 429, %d 503", statuses.count(200), statuses.count(429), statuses.count(503))
 
 
+def test_the_replica_steps_on_every_core_despite_rays_one_thread_default(replica_handle):
+    import os
+
+    stats = replica_handle.stats.remote().result(timeout_s=10)
+    assert stats["loop_threads"] == os.cpu_count(), stats  # Ray sets OMP_NUM_THREADS=1 in every worker
+
+
 def test_zz_killed_replica_is_replaced_and_health_shows_it(base_url, auth):
     """Runs last in this module: it kills the shared app's engine replica."""
     import ray

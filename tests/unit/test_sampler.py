@@ -52,3 +52,16 @@ def test_logprobs_are_returned_for_the_chosen_and_top_tokens():
     entry = logprobs[0]
     assert set(entry) == {0, 1}
     assert abs(sum(torch.tensor(list(entry.values())).exp().tolist()) - 0.9) < 0.05
+
+
+def test_draws_follow_the_softmax_and_mixed_batches_keep_each_rows_knobs():
+    counts = torch.bincount(torch.tensor(draws(SamplingParams(temperature=1.0, seed=7), n=4000)), minlength=VOCAB)
+    expected = torch.softmax(LOGITS[0], -1)
+    assert torch.allclose(counts / 4000, expected, atol=0.03), (counts / 4000, expected)
+    sampler = Sampler()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=2, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=2), SamplingParams(temperature=1.0, seed=3)]
+    gens = [make_generator(p, torch.device("cpu")) for p in params]
+    rows = [sampler(LOGITS.repeat(4, 1), params, gens, [[]] * 4)[0] for _ in range(300)]
+    assert {r[0] for r in rows} == {0} and {r[1] for r in rows} == {0, 1} and {r[2] for r in rows} == {0}
+    assert len({r[3] for r in rows}) >= 4  # the unrestricted row is not clipped by its neighbours' masks
