@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import uuid
 
@@ -22,14 +21,10 @@ log = logging.getLogger("ray.serve")
 # continuous batching in the engine never waits on admission. 5 ms costs TTFT little and fills batches under load.
 ADMISSION_BATCH_SIZE = 32
 ADMISSION_WAIT_S = 0.005
-SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineReplica:
     def __init__(self, args: AppArgs):
-        # The step loop thread shares the GIL with Serve's event loop, which otherwise keeps it for up to 5 ms each
-        # time: the step's ~750 small torch calls then queue behind it (measured: the step ran at half a core).
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.args = args
         self.engine = AsyncLLMEngine(args.engine_config())
         self._warm_up()
