@@ -38,8 +38,8 @@ async def bounded(jobs, concurrency: int, desc: str) -> float:
     return time.perf_counter() - start
 
 
-async def direct(requests, concurrency: int, dtype: str) -> float:
-    engine = AsyncLLMEngine(dtype=dtype, max_num_seqs=concurrency)
+async def direct(requests, concurrency: int, dtype: str, threads: int) -> float:
+    engine = AsyncLLMEngine(dtype=dtype, max_num_seqs=concurrency, num_threads=threads)
 
     def job(r):
         async def go():
@@ -53,16 +53,18 @@ async def direct(requests, concurrency: int, dtype: str) -> float:
         engine.shutdown()
 
 
-async def over_http(requests, concurrency: int, dtype: str) -> float:
+async def over_http(requests, concurrency: int, dtype: str, threads: int) -> float:
     import ray
     from ray import serve
 
     from serve_app.app import build_app
 
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as make serve: Ray's default nice 15 starves the replica
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8011})
-        serve.run(build_app({"dtype": dtype, "max_num_seqs": concurrency}), name="llm", route_prefix="/")
+        args = {"dtype": dtype, "max_num_seqs": concurrency, "num_threads": threads}
+        serve.run(build_app(args), name="llm", route_prefix="/")
         async with httpx.AsyncClient(base_url="http://127.0.0.1:8011", timeout=600,
                                      limits=httpx.Limits(max_connections=concurrency)) as client:
             def job(r):
@@ -81,10 +83,11 @@ async def over_http(requests, concurrency: int, dtype: str) -> float:
 
 
 @app.command()
-def main(requests: int = 256, concurrency: int = 64, dtype: str = "bfloat16", runs: int = 1):
+def main(requests: int = 256, concurrency: int = 64, dtype: str = "bfloat16", runs: int = 1,
+         threads: int = typer.Option(1, help="engine threads on both paths (1, as serve_app/config.yaml on 2 cores)")):
     workload = chat_workload(requests, 16, 128, seed=1)  # ignore_eos on both paths: identical output lengths
-    direct_s = [asyncio.run(direct(workload, concurrency, dtype)) for _ in range(runs)]
-    http_s = [asyncio.run(over_http(workload, concurrency, dtype)) for _ in range(runs)]
+    direct_s = [asyncio.run(direct(workload, concurrency, dtype, threads)) for _ in range(runs)]
+    http_s = [asyncio.run(over_http(workload, concurrency, dtype, threads)) for _ in range(runs)]
     d, h = requests / statistics.median(direct_s), requests / statistics.median(http_s)
     table = Table(title=f"{requests} chat requests, {concurrency} concurrent streams, {dtype}")
     for c in ("path", "req/s", "share of direct"):

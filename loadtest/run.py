@@ -171,7 +171,8 @@ def run_sweep(url, out, label, rates, arrival, duration, warmup, target_rph, slo
         console.print(f"{r:g} req/s: achieved {s['achieved_rph']:,.0f} req/h, p95 e2e "
                       f"{s['e2e']['p95'] if s['e2e']['p95'] is not None else float('nan'):.1f} s, "
                       f"{s['requests_failed']} failed -> {'meets' if s['meets_slo'] else 'misses'} the SLO")
-        if not s["meets_slo"] and s["e2e"]["p95"] is not None and s["e2e"]["p95"] > 2 * slo:
+        saturated = s["achieved_rph"] < 0.7 * s["offered_rph"] or (s["e2e"]["p95"] or 0) > 2 * slo
+        if not s["meets_slo"] and saturated:
             break  # far past the knee: more load only queues
     good = [s for s in steps if s["meets_slo"]]
     knee = max(good, key=lambda s: s["achieved_rph"]) if good else None
