@@ -9,10 +9,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import matplotlib
 import typer
 from rich.console import Console
@@ -22,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from engine.models import embedded_checkpoint  # noqa: E402
+from loadtest.run import wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -43,18 +42,6 @@ def servers(peers_python: Path) -> dict[str, dict]:
                                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", "8002",
                                "--dtype", "bfloat16", "--max-model-len", "2048"]},
     }
-
-
-def wait_healthy(url: str, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(url)
 
 
 def sweep(label: str, url: str, rates: str, duration: int, warmup: int, slo: float, out_dir: Path) -> dict:
@@ -84,8 +71,7 @@ def main(rates: str = "1,2,3,4,6,8,10,12", duration: int = 90, warmup: int = 20,
             log = open(out_dir / f"{label.split()[0].lower()}-server.log", "w")
             proc = subprocess.Popen(spec["start"], cwd=ROOT, env=spec["env"], stdout=log, stderr=subprocess.STDOUT)
         try:
-            console.print(f"[bold]{label}[/bold]: waiting for {spec['url']}")
-            wait_healthy(spec["url"])
+            wait_healthy(spec["url"], 900, proc, label)
             results[label] = sweep(label, spec["url"], rates, duration, warmup, slo, out_dir)
         finally:
             if proc is not None:

@@ -4,6 +4,7 @@ python -m dashboards.report --prometheus http://127.0.0.1:9090 --minutes 15 --ou
 """
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime
 from pathlib import Path
@@ -16,8 +17,7 @@ import matplotlib.dates as mdates  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import typer  # noqa: E402
 
-from dashboards.build import overview  # noqa: E402
-from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
+from dashboards.build import render as render_dashboards  # noqa: E402
 
 app = typer.Typer(add_completion=False)
 MAIN_PANELS = ["Requests/s by HTTP status", "End-to-end latency", "Time to first token", "Inter-token latency",
@@ -26,9 +26,7 @@ UNIT_LABELS = {"reqps": "requests/s", "s": "seconds", "short": "", "percentunit"
 
 
 def panels_with_queries() -> list[dict]:
-    import json
-
-    model = json.loads(JSONEncoder().encode(overview().build()))
+    model = json.loads(render_dashboards()["overview.json"])
     return [p for p in model["panels"] if p.get("title") in MAIN_PANELS]
 
 
@@ -44,8 +42,10 @@ def legend(template: str, labels: dict) -> str:
     return template
 
 
-def substitute(expr: str, rate_window: str, model_name: str) -> str:
-    return expr.replace("$__rate_interval", rate_window).replace('"$model_name"', f'"{model_name}"')
+def substitute(expr: str, rate_window: str, model_name: str = ".*", replica: str = ".*") -> str:
+    """What Grafana does to a panel's expression before it queries Prometheus."""
+    return (expr.replace("$__rate_interval", rate_window).replace('"$model_name"', f'"{model_name}"')
+            .replace('"$replica"', f'"{replica}"'))
 
 
 def render(prometheus: str, start: float, end: float, out: Path, model_name: str = ".*", title: str = "") -> Path:

@@ -11,7 +11,6 @@ from typing import Any, AsyncIterator
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, Prompt
-from engine.metrics import StepMetrics
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
@@ -68,8 +67,8 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, metrics: StepMetrics | None = None, **overrides: Any):
-        self.engine = LLMEngine(config, metrics, **overrides)
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        self.engine = LLMEngine(config, **overrides)
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()

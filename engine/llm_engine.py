@@ -49,8 +49,8 @@ class OutputState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, metrics: StepMetrics | None = None, **overrides: Any):
-        self.metrics = metrics
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        self.metrics: StepMetrics | None = None  # see attach_metrics
         self.step_seconds = 0.0
         self.config = config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
         self.claim_threads()
@@ -365,9 +365,9 @@ class LLMEngine:
 class LLM:
     """Offline API: generate for a list of prompts and return when all are done."""
 
-    def __init__(self, model: str | None = None, metrics: StepMetrics | None = None, **kwargs: Any):
+    def __init__(self, model: str | None = None, **kwargs: Any):
         config = EngineConfig(**({"model": model} if model else {}), **kwargs)
-        self.engine = LLMEngine(config, metrics)
+        self.engine = LLMEngine(config)
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -60,8 +60,10 @@ def add_options(parser):
 
 @events.init.add_listener
 def on_init(environment, **_):
-    path = environment.parsed_options.records_file if environment.parsed_options else ""
+    opts = environment.parsed_options
+    path = opts.records_file if opts else ""
     environment.llm_records = open(path, "a", buffering=1) if path else None  # line-buffered: progress is visible
+    environment.llm_prompts = load_prompts(seed=opts.prompt_seed if opts else 0)  # once, shared by every user
 
 
 def options(environment):
@@ -74,7 +76,7 @@ class OpenAIClient:
     def __init__(self, user: HttpUser):
         self.user = user
         opts = options(user.environment)
-        self.prompts: list[Prompt] = load_prompts(seed=opts.prompt_seed)
+        self.prompts: list[Prompt] = user.environment.llm_prompts
         self.rng = random.Random()
         self.headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
 

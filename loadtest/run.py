@@ -74,19 +74,24 @@ def embedded_app(port: int = 8000):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        with tqdm(desc="starting the embedded app", bar_format="{desc}: {elapsed}") as bar:
-            while not _healthy(url):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the embedded app did not become healthy")
-                time.sleep(2)
-                bar.update()
+        wait_healthy(url, 600, proc, "the embedded app")
         yield url
     finally:
         proc.terminate()
         proc.wait(60)
         if started_ray:
             subprocess.run([ray, "stop"], capture_output=True)
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, what: str = "the server") -> None:
+    """Poll /health until it answers 200; give up at the timeout, or at once if the server's process has exited."""
+    deadline = time.monotonic() + timeout
+    with tqdm(desc=f"waiting for {what}", bar_format="{desc}: {elapsed}") as bar:
+        while not _healthy(url):
+            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+                raise RuntimeError(f"{what} at {url} did not become healthy")
+            time.sleep(2)
+            bar.update()
 
 
 def _healthy(url: str) -> bool:

@@ -17,8 +17,8 @@ def test_counters_and_histograms_match_the_requests(llm32):
     engine.attach_metrics(StepMetrics(sink, "m"))
     try:
         lengths = [3, 5, 9]
-        outs = llm32.generate(["Once upon a time", "The sky is", "Hello"],
-                              [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths], use_tqdm=False)
+        llm32.generate(["Once upon a time", "The sky is", "Hello"],
+                       [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths], use_tqdm=False)
         engine.add_request("to-abort", "A request that is aborted", SamplingParams(max_tokens=50))
         engine.step()
         engine.abort("to-abort")

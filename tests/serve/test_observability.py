@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from dashboards.build import panel_queries, render
+from dashboards.report import substitute
 from tests.serve.conftest import free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
@@ -119,10 +120,6 @@ def wait_for(prom: str, expr: str, want, timeout: float = 60) -> float:
         time.sleep(1)
 
 
-def substitute(expr: str) -> str:
-    return (expr.replace("$__rate_interval", "3m").replace('"$model_name"', f'"{MODEL}"').replace('"$replica"', '".*"'))
-
-
 def test_every_panel_and_rule_evaluates_against_live_prometheus(obs_app, prometheus, auth):
     sent = asyncio.run(mixed_traffic(obs_app, auth))
     selector = f'model_name="{MODEL}"'
@@ -140,7 +137,7 @@ def test_every_panel_and_rule_evaluates_against_live_prometheus(obs_app, prometh
     empty = []
     for name, text in render().items():
         for title, expr in panel_queries(text):
-            if not query(prometheus, substitute(expr)):
+            if not query(prometheus, substitute(expr, "3m", MODEL)):
                 empty.append(f"{name} / {title}: {expr}")
     assert not empty, "panels with no data:\n" + "\n".join(empty)
 
