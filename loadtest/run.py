@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -69,7 +70,8 @@ def embedded_app(port: int = 8000):
     started_ray = subprocess.run([ray, "status", "--address", "127.0.0.1:6379"], capture_output=True).returncode != 0
     if started_ray:
         subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--metrics-export-port=8080",
-                        "--disable-usage-stats"], check=True, capture_output=True)
+                        "--disable-usage-stats"], check=True, capture_output=True,
+                       env={**os.environ, "RAY_worker_niceness": "0"})  # as make serve: nice 15 starves the replica
     proc = subprocess.Popen([serve, "run", "--address", "auto", "serve_app/config.yaml"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
