@@ -41,7 +41,7 @@ def run_engine(requests: list[Request], model: str, dtype: str, threads: int, **
     stats = llm.engine.stats()
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests),
             "steps": stats["num_steps"], "preemptions": stats["num_preemptions"],
-            "metrics_share_of_step": llm.engine.metrics.update_seconds / llm.engine.step_seconds}
+            "metrics_share_of_step": llm.engine.metrics_share_of_step}
 
 
 def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int, batch_size: int = 64) -> dict:

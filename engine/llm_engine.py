@@ -346,6 +346,13 @@ class LLMEngine:
         metrics.start_from(self.stats())
         self.metrics = metrics
 
+    @property
+    def metrics_share_of_step(self) -> float:
+        """Time spent flushing metrics, as a share of the time spent in step(); 0 before any metered step."""
+        if self.metrics is None or not self.step_seconds:
+            return 0.0
+        return self.metrics.update_seconds / self.step_seconds
+
     # -- introspection --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:

@@ -85,10 +85,8 @@ class EngineReplica:
             await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
 
     def stats(self) -> dict:
-        llm = self.engine.engine
-        metrics_share = llm.metrics.update_seconds / llm.step_seconds if llm.metrics and llm.step_seconds else 0.0
         return {**self.engine.stats(), **self.placement, "engine_running": self.engine.is_running, "time": time.time(),
-                "metrics_share_of_step": metrics_share}
+                "metrics_share_of_step": self.engine.engine.metrics_share_of_step}
 
     def info(self) -> dict:
         return self.model_info
