@@ -20,6 +20,7 @@ from engine.errors import EngineInputError, EngineOverloadedError
 from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
+from engine.host_memory import keep_freed_memory
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -55,6 +56,8 @@ class LLMEngine:
         self.config = config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
         self.claim_threads()
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(config, self.device, self.dtype, register_paged_attention())
         self.tokenizer = load_tokenizer(config)  # callers' threads: encoding

@@ -6,6 +6,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 NUCLEUS_CANDIDATES = 1024
+CDF_BLOCK = 1024
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -31,10 +32,10 @@ class Sampler:
         """logits [n, vocab] -> one token id per row, and its logprobs where asked for."""
         if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
             return logits.argmax(dim=-1).tolist(), [None] * len(params)  # the common case: no float copy of the logits
-        logits = logits.float()
+        logits = logits.to(torch.float32, copy=True)  # _sample works in place
         logprobs = self._logprobs(logits, params)
         if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), params, output_token_ids)
+            logits = self._apply_penalties(logits, params, output_token_ids)
         tokens = logits.argmax(dim=-1).tolist() if all(p.greedy for p in params) else self._sample(logits, params, generators)
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
@@ -50,28 +51,35 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
         """Every row at once: temperature, then the top-k / top-p / min-p masks, then the inverse CDF at one uniform
-        draw from the row's own generator (one random number per token, where a Gumbel race needs one per vocab entry)."""
+        draw from the row's own generator (one random number per token, where a Gumbel race needs one per vocab entry).
+        `logits` is the sampler's own float copy: it is worked on in place, since each fresh [n, vocab] temporary
+        costs page faults on CPU."""
         n, vocab = logits.shape
         column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
-        logits = logits / column([p.temperature if not p.greedy else 1.0 for p in params])
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        greedy_tokens = logits[greedy].argmax(dim=-1).tolist() if greedy else []
+        temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
+        if any(t != 1.0 for t in temperatures):
+            logits.div_(column(temperatures))
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if min(top_k) < vocab:
             kth = logits.topk(max(k for k in top_k if k < vocab), dim=-1).values
             kth = kth.gather(1, torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k], device=logits.device)[:, None])
             kth[torch.tensor(top_k, device=logits.device) >= vocab] = float("-inf")  # rows without top-k keep everything
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+            logits.masked_fill_(logits < kth, float("-inf"))
+        weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax up to each row's total
         nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if nucleus_rows:
             rows = torch.tensor(nucleus_rows, device=logits.device)
-            probs[rows] = Sampler._nucleus(probs[rows], column([params[i].top_p for i in nucleus_rows]))
+            probs = weights[rows] / weights[rows].sum(-1, keepdim=True)
+            weights[rows] = Sampler._nucleus(probs, column([params[i].top_p for i in nucleus_rows]))
         if any(p.min_p > 0.0 for p in params):
-            probs = probs.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True), 0.0)
-        cdf = probs.cumsum(-1)
+            weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
         draws = [1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0 for g in generators]
-        targets = column(draws) * cdf[:, -1:]  # in (0, total]: the first index reaching it has non-zero probability
-        tokens = torch.searchsorted(cdf, targets).clamp_(max=vocab - 1).squeeze(1).tolist()
-        return [int(row.argmax()) if p.greedy else t for row, p, t in zip(logits, params, tokens)]
+        tokens = inverse_cdf(weights, column(draws))
+        for i, token in zip(greedy, greedy_tokens):
+            tokens[i] = token
+        return tokens
 
     @staticmethod
     def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -104,3 +112,24 @@ class Sampler:
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             picked.append(entry)
         return picked
+
+
+def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> list[int]:
+    """weights [n, vocab] >= 0 (any scale), draws [n, 1] in (0, 1] -> per row, the first index whose running sum
+    reaches draw * total. Two levels (block sums, then one block's running sum) instead of a cumsum over the whole
+    vocabulary, which costs several ms a step on CPU."""
+    n, vocab = weights.shape
+    full = vocab - vocab % block
+    sums = weights[:, :full].view(n, full // block, block).sum(-1)
+    if full < vocab:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=1)
+    running = sums.cumsum(-1)
+    targets = draws * running[:, -1:]
+    chosen = torch.searchsorted(running, targets).clamp_(max=sums.shape[1] - 1)  # [n, 1]: a block with mass
+    targets = targets - (running.gather(1, chosen) - sums.gather(1, chosen))
+    columns = chosen * block + torch.arange(block, device=weights.device)
+    inside = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0.0).cumsum(-1)
+    # rounding may push the target just outside its block; the clamp keeps it on a token with weight
+    targets = torch.minimum(targets.clamp(min=torch.finfo(weights.dtype).tiny), inside[:, -1:])
+    offsets = torch.searchsorted(inside, targets)
+    return (chosen * block + offsets).squeeze(1).tolist()

@@ -1,7 +1,7 @@
 """Sampler on synthetic logits: each knob restricts the support as specified; seeds are per request."""
 import torch
 
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, inverse_cdf, make_generator
 from engine.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -65,3 +65,15 @@ def test_draws_follow_the_softmax_and_mixed_batches_keep_each_rows_knobs():
     rows = [sampler(LOGITS.repeat(4, 1), params, gens, [[]] * 4)[0] for _ in range(300)]
     assert {r[0] for r in rows} == {0} and {r[1] for r in rows} == {0, 1} and {r[2] for r in rows} == {0}
     assert len({r[3] for r in rows}) >= 4  # the unrestricted row is not clipped by its neighbours' masks
+
+
+def test_the_two_level_inverse_cdf_lands_on_the_token_whose_mass_holds_the_draw():
+    weights = torch.tensor([[0.0, 1, 0, 0, 0, 0, 2, 0, 0, 1]])  # blocks of 4, then a tail of 2; total 4
+    picks = [inverse_cdf(weights, torch.tensor([[u]]), block=4)[0] for u in (1e-6, 0.25, 0.26, 0.75, 0.76, 1.0)]
+    assert picks == [1, 1, 6, 6, 9, 9]
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand(64, 1000, generator=gen, dtype=torch.float64) * (torch.rand(64, 1000, generator=gen) > 0.7)
+    draws = 1.0 - torch.rand(64, 1, generator=gen, dtype=torch.float64)
+    reference = torch.searchsorted(weights.cumsum(-1), draws * weights.sum(-1, keepdim=True)).squeeze(1).tolist()
+    assert inverse_cdf(weights, draws, block=64) == reference
+    assert all(weights[row, token] > 0 for row, token in enumerate(reference))
