@@ -1,7 +1,7 @@
 """Keep freed host memory in the process on glibc, so per-step tensors reuse warm pages.
 
 By default glibc returns big blocks (the logits, the sampler's float copy) to the kernel on free, and every step
-then pays page faults to get them back: about 10% of a CPU step, measured (BENCHMARKS.md).
+then pays page faults to get them back: about 10% of a CPU step (benchmarks/step_time.py, BENCHMARKS.md).
 """
 from __future__ import annotations
 

@@ -17,10 +17,10 @@ from engine.config import EngineConfig
 from engine.cpu_kernels import paged_decode_op
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
+from engine.host_memory import keep_freed_memory
 from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
-from engine.host_memory import keep_freed_memory
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler

@@ -71,8 +71,9 @@ class Sampler:
         nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if nucleus_rows:
             rows = torch.tensor(nucleus_rows, device=logits.device)
-            probs = weights[rows] / weights[rows].sum(-1, keepdim=True)
-            weights[rows] = Sampler._nucleus(probs, column([params[i].top_p for i in nucleus_rows]))
+            selected = weights[rows]
+            top_p = column([params[i].top_p for i in nucleus_rows])
+            weights[rows] = Sampler._nucleus(selected / selected.sum(-1, keepdim=True), top_p)
         if any(p.min_p > 0.0 for p in params):
             weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
         draws = [1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0 for g in generators]
