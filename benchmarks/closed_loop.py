@@ -18,24 +18,37 @@ from loadtest.prompts import load_prompts
 cli = typer.Typer(add_completion=False)
 
 
+class ClosedLoop:
+    """`users` seeded requests of the load-test mix in flight; each one that finishes is replaced by the next."""
+
+    def __init__(self, threads: int = 1, users: int = 48, temperature: float = 1.0, max_tokens: int = 128):
+        self.engine = LLMEngine(EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024, num_threads=threads))  # as config.yaml
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self._prompts, self._rng, self._ids = load_prompts(), random.Random(0), itertools.count()
+        for _ in range(users):
+            self._add()
+
+    def _add(self) -> None:
+        i = next(self._ids)
+        params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=i)
+        self.engine.add_request(f"r{i}", self._rng.choice(self._prompts).messages, params)
+
+    def step(self) -> int:
+        """One engine step; returns how many requests finished (and were replaced)."""
+        finished = [out for out in self.engine.step() if out.finished]
+        for _ in finished:
+            self._add()
+        return len(finished)
+
+
 @cli.command()
 def main(threads: int = 1, concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128):
-    engine = LLMEngine(EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024, num_threads=threads))  # as config.yaml
-    prompts, rng, ids = load_prompts(), random.Random(0), itertools.count()
-
-    def add() -> None:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-        engine.add_request(f"r{next(ids)}", rng.choice(prompts).messages, params)
-
-    for _ in range(concurrency):
-        add()
+    loop = ClosedLoop(threads, concurrency, temperature, max_tokens)
+    engine = loop.engine
     start, steps, done = time.perf_counter(), 0, 0
     with tqdm(total=int(seconds), desc="closed loop", unit="s") as bar:
         while (elapsed := time.perf_counter() - start) < seconds:
-            for out in engine.step():
-                if out.finished:
-                    done += 1
-                    add()  # the next request of this "user"
+            done += loop.step()
             steps += 1
             bar.n = int(elapsed)
             bar.refresh()

@@ -5,8 +5,6 @@ python benchmarks/step_time.py --threads 1
 """
 from __future__ import annotations
 
-import itertools
-import random
 import statistics
 import time
 
@@ -14,31 +12,20 @@ import torch
 import typer
 from tqdm.auto import trange
 
-from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from closed_loop import ClosedLoop  # the sibling script; run as python benchmarks/step_time.py
+from engine import SamplingParams
 from engine.sampler import Sampler, make_generator
-from loadtest.prompts import load_prompts
 
 cli = typer.Typer(add_completion=False)
 
 
 @cli.command()
 def main(threads: int = 1, users: int = 48, warmup_steps: int = 50, steps: int = 200):
-    engine = LLMEngine(EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024, num_threads=threads))  # as config.yaml
-    prompts, rng, ids = load_prompts(), random.Random(0), itertools.count()
-
-    def add() -> None:
-        i = next(ids)
-        engine.add_request(f"r{i}", rng.choice(prompts).messages, SamplingParams(max_tokens=128, temperature=1.0, seed=i))
-
-    for _ in range(users):
-        add()
-    times = []
+    loop = ClosedLoop(threads, users)
+    engine, times = loop.engine, []
     for step in trange(warmup_steps + steps, desc="steps"):
         start = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                add()
+        loop.step()
         if step >= warmup_steps:
             times.append(time.perf_counter() - start)
     stats = engine.stats()
