@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import defaultdict
 from typing import Any, AsyncIterator
@@ -80,13 +81,27 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
 
+    def health_problem(self) -> str | None:
+        """Why this engine should be replaced, or None: a dead loop, K steps in a row in which no request could
+        run, or one step running past its deadline (a hung kernel or device)."""
+        if not self.is_running:
+            return self.dead_reason or "the engine loop is not running"
+        engine, config = self.engine, self.engine.config
+        started = engine.step_started_at
+        if started is not None and time.monotonic() - started > config.step_timeout_s:
+            return f"an engine step has run for {time.monotonic() - started:.0f} s (limit {config.step_timeout_s:g} s)"
+        if engine.consecutive_failed_steps >= config.max_consecutive_failed_steps:
+            return f"{engine.consecutive_failed_steps} engine steps in a row failed"
+        return None
+
     def start(self) -> "AsyncLLMEngine":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
             self._thread.start()
         return self
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> RequestStream:
         """Validate, tokenize and enqueue now (raises EngineInputError); outputs arrive through the stream."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -94,7 +109,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
         except BaseException:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]

@@ -2,18 +2,34 @@
 
 A full block's identity is its tokens plus its parent's hash. Freed blocks keep their contents and stay
 findable until the allocator reuses them (lazy eviction); blocks nobody can hit are reused first.
+
+Hashes are BLAKE2b digests, not Python's hash(): crafted collisions could otherwise map one tenant's prompt onto
+another's blocks (CVE-2025-25183 in vLLM). A chain starts from the request's cache_salt, so tenants that use
+different salts never share a block and cannot time each other's prompts (CVE-2025-46570).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from engine.sequence import Sequence
 
-NO_HASH = -1
+NO_HASH = b""
+DIGEST_BYTES = 16
 
 
-def hash_block(token_ids: tuple[int, ...], parent_hash: int) -> int:
-    return hash((parent_hash, token_ids))
+def hash_block(token_ids: tuple[int, ...], parent_hash: bytes) -> bytes:
+    digest = hashlib.blake2b(parent_hash, digest_size=DIGEST_BYTES)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: empty without a salt, else a digest no token block can produce."""
+    if cache_salt is None:
+        return NO_HASH
+    return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=DIGEST_BYTES, person=b"cache_salt").digest()
 
 
 class Block:
@@ -23,7 +39,7 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash = NO_HASH
-        self.key: tuple[int, tuple[int, ...]] | None = None  # (parent_hash, token_ids), verified on every hit
+        self.key: tuple[bytes, tuple[int, ...]] | None = None  # (parent_hash, token_ids), verified on every hit
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash != NO_HASH})"
@@ -35,7 +51,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # reuse from the front
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -52,12 +68,12 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """Block ids holding the longest cached run of full blocks; the last token is always left to compute."""
         if not self.enable_prefix_caching:
             return []
         matched: list[int] = []
-        parent = NO_HASH
+        parent = root_hash(cache_salt)
         for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
             key = (parent, tuple(token_ids[start : start + self.block_size]))
             block_id = self.hash_to_block.get(hash_block(key[1], parent))
@@ -139,7 +155,7 @@ class BlockManager:
         block = self.blocks[seq.block_table[index]]
         if block.hash != NO_HASH:
             return  # reached through a cache hit: already published
-        parent = self.blocks[seq.block_table[index - 1]].hash if index > 0 else NO_HASH
+        parent = self.blocks[seq.block_table[index - 1]].hash if index > 0 else root_hash(seq.cache_salt)
         tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
         block.key = (parent, tokens)
         block.hash = hash_block(tokens, parent)

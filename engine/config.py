@@ -30,6 +30,12 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "cpp"] = Field(
         default="auto", description="decode attention: the C++ CPU kernel where it builds (auto), or the torch path")
     max_waiting: int | None = Field(default=None, ge=1, description="bound on queued requests; None is unbounded")
+    default_max_tokens: int | None = Field(default=None, ge=1, description="when a request gives none; None: the rest of the context")
+    max_tokens_limit: int | None = Field(default=None, ge=1, description="cap on max_tokens, given or default; over it is refused")
+
+    # liveness: the replica's health check fails on either, so Serve replaces a broken engine
+    max_consecutive_failed_steps: int = Field(default=3, ge=1, description="failed steps in a row before unhealthy")
+    step_timeout_s: float = Field(default=120.0, gt=0, description="one step running longer than this is a hung engine")
     trust_remote_code: bool = False
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ from engine.host_memory import keep_freed_memory
 from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
-from engine.sampler import Sampler, make_generator
+from engine.sampler import INVALID_TOKEN, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
@@ -32,6 +32,7 @@ Messages = list[dict[str, Any]]
 Prompt = Union[str, list[int], Messages]
 CPU_DEFAULT_KV_BYTES = 2 << 30
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass
@@ -65,6 +66,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = self._eos_token_ids()
+        # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
+        self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, self._decode_kernel())
         self.runner.kv_cache = self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -75,6 +78,8 @@ class LLMEngine:
         self._new_seqs: list[Sequence] = []
         self._aborts: list[str] = []
         self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
+        self.consecutive_failed_steps = 0  # steps in a row in which no request could run
+        self.step_started_at: float | None = None  # monotonic; None between steps
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens", config.model, self.device, self.dtype,
                  self.runner.num_blocks, config.block_size)
 
@@ -136,6 +141,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
+            self._check_text(prompt, "prompt", len(prompt))
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return self._tokenize_chat(prompt)
@@ -154,16 +160,32 @@ class LLMEngine:
                 raise EngineInputError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}", "messages")
             if not isinstance(message.get("content"), str):
                 raise EngineInputError(f"messages[{i}].content must be a string", "messages")
+        total_chars = sum(len(m["content"]) for m in messages)
+        for i, message in enumerate(messages):
+            self._check_text(message["content"], f"messages[{i}].content", total_chars)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def _check_text(self, text: str, param: str, total_chars: int) -> None:
+        """Before tokenizing: a text that cannot fit is refused without the cost of encoding it, and text that is
+        not Unicode (a lone surrogate is valid JSON) is refused instead of failing inside the tokenizer."""
+        if total_chars > self.max_prompt_chars:
+            raise EngineInputError(f"the prompt has {total_chars} characters; no more than {self.max_prompt_chars} "
+                                   f"can fit the model's context of {self.max_model_len} tokens", param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise EngineInputError(f"{param} is not valid Unicode (a lone surrogate at character {exc.start})", param)
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Sequence:
-        """Validate, tokenize and enqueue. Thread-safe; raises EngineInputError on bad input."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Sequence:
+        """Validate, tokenize and enqueue. Thread-safe; raises EngineInputError on bad input. Requests with a
+        `cache_salt` share prefix-cache blocks only with requests carrying the same salt."""
         params = params or SamplingParams()
+        self._check_cache_salt(cache_salt)
         token_ids = self.tokenize(prompt)
         max_tokens = self._validated_max_tokens(len(token_ids), params)
-        seq = Sequence(request_id, token_ids, params, arrival_time)
+        seq = Sequence(request_id, token_ids, params, arrival_time, cache_salt)
         seq.runtime = OutputState(
             detokenizer=IncrementalDetokenizer(self.detokenizer_tokenizer, token_ids, params.skip_special_tokens),
             generator=make_generator(params, self.device),
@@ -181,15 +203,31 @@ class LLMEngine:
             self._new_seqs.append(seq)
         return seq
 
+    @staticmethod
+    def _check_cache_salt(salt: str | None) -> None:
+        if salt is None:
+            return
+        if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+            raise EngineInputError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EngineInputError("cache_salt is not valid Unicode", "cache_salt")
+
     def _validated_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        context = self.max_model_len
+        """The one max_tokens policy: a default of the rest of the context (or default_max_tokens), and a limit
+        that caps the default and refuses a larger explicit value."""
+        context, limit = self.max_model_len, self.config.max_tokens_limit
         if num_prompt_tokens >= context:
             raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the model's context is {context}", "prompt")
         capacity = self.runner.num_blocks * self.config.block_size
         if num_prompt_tokens >= capacity:
             raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}", "prompt")
+        remaining = context - num_prompt_tokens
         if params.max_tokens is None:
-            return context - num_prompt_tokens
+            return min(self.config.default_max_tokens or remaining, limit or remaining, remaining)
+        if limit is not None and params.max_tokens > limit:
+            raise EngineInputError(f"max_tokens is {params.max_tokens}; this server allows at most {limit}", "max_tokens")
         if num_prompt_tokens + params.max_tokens > context:
             raise EngineInputError(
                 f"prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
@@ -208,6 +246,13 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.step_started_at = time.monotonic()
+        try:
+            return self._step()
+        finally:
+            self.step_started_at = None
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
@@ -246,22 +291,50 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         try:
-            sampling_seqs, logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
-            self.counters["prompt_tokens"] += self._num_prompt_tokens_in(batch)
-            self.scheduler.mark_computed(batch)
-            tokens, logprobs = self.sampler(
-                logits,
-                [seq.params for seq in sampling_seqs],
-                [seq.runtime.generator for seq in sampling_seqs],
-                [seq.output_token_ids for seq in sampling_seqs],
-            )
-        except Exception as exc:  # one bad batch must not kill the loop: fail its requests, keep serving the rest
-            log.exception("engine step failed; aborting the %d requests in it", len(batch))
+            outputs = self._execute(batch)
+        except Exception:  # one bad request must not fail its batch-mates: find it, fail it, serve the rest
+            log.exception("engine step failed; retrying its %d requests in groups", len(batch))
             self.counters["num_failed_steps"] += 1
-            return [self._fail(seq, f"engine step failed: {type(exc).__name__}") for seq in batch.seqs]
-        self.counters["generation_tokens"] += len(tokens)
-        outputs = []
+            return self._isolate_failure(batch)
+        self.consecutive_failed_steps = 0
+        return outputs
+
+    def _isolate_failure(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Retry the step once without the sequences still in prefill (the newest admissions, where bad input
+        shows first), then each of those alone; only a group that fails again is failed. Nothing was committed by
+        the failed attempt (computed counts advance after sampling), so a retry recomputes the same KV slots."""
+        newest = [i for i, seq in enumerate(batch.seqs) if seq.num_output_tokens == 0]
+        older = [i for i in range(len(batch)) if i not in set(newest)]
+        groups = ([older] if older else []) + [[i] for i in newest]
+        outputs, failed_groups = [], []
+        for group in groups:
+            part = ScheduledBatch([batch.seqs[i] for i in group], [batch.num_new_tokens[i] for i in group])
+            try:
+                outputs += self._execute(part)
+            except Exception as exc:
+                log.warning("a retried group of %d requests failed again (%s)", len(group), type(exc).__name__)
+                failed_groups.append(group)
+                outputs += [self._fail(seq, f"engine step failed: {type(exc).__name__}") for seq in part.seqs]
+        # a step where nothing could run counts against the engine (a lost device fails everything); any success resets
+        self.consecutive_failed_steps = 0 if len(failed_groups) < len(groups) else self.consecutive_failed_steps + 1
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        sampling_seqs, logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        tokens, logprobs = self.sampler(
+            logits,
+            [seq.params for seq in sampling_seqs],
+            [seq.runtime.generator for seq in sampling_seqs],
+            [seq.output_token_ids for seq in sampling_seqs],
+        )
+        outputs = [self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)")
+                   for seq, token in zip(sampling_seqs, tokens) if token == INVALID_TOKEN]  # before its blocks publish
+        self.counters["prompt_tokens"] += self._num_prompt_tokens_in(batch)
+        self.scheduler.mark_computed(batch)
         for seq, token, logprob in zip(sampling_seqs, tokens, logprobs):
+            if token == INVALID_TOKEN:
+                continue
+            self.counters["generation_tokens"] += 1
             try:
                 self._append_token(seq, token, logprob)
             except Exception as exc:
@@ -368,6 +441,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "consecutive_failed_steps": self.consecutive_failed_steps,
             **self.counters,
         }
 

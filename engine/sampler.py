@@ -7,6 +7,7 @@ from engine.sampling_params import SamplingParams
 
 NUCLEUS_CANDIDATES = 1024
 CDF_BLOCK = 1024
+INVALID_TOKEN = -1  # a row whose logits are not finite, or leave no token with weight: the engine fails that request
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -29,14 +30,19 @@ class Sampler:
         generators: list[torch.Generator | None],
         output_token_ids: list[list[int]],
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits [n, vocab] -> one token id per row, and its logprobs where asked for."""
+        """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution), and
+        its logprobs where asked for. Never an id outside [0, vocab)."""
+        finite = logits.sum(-1, dtype=torch.float32).isfinite()  # one reduction: any NaN or inf in a row shows here
         if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
-            return logits.argmax(dim=-1).tolist(), [None] * len(params)  # the common case: no float copy of the logits
+            return _valid_or_invalid(logits.argmax(dim=-1), finite), [None] * len(params)  # no float copy of the logits
         logits = logits.to(torch.float32, copy=True)  # _sample works in place
         logprobs = self._logprobs(logits, params)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, params, output_token_ids)
-        tokens = logits.argmax(dim=-1).tolist() if all(p.greedy for p in params) else self._sample(logits, params, generators)
+        if all(p.greedy for p in params):
+            tokens = _valid_or_invalid(logits.argmax(dim=-1), finite)
+        else:
+            tokens = self._sample(logits, params, generators, finite)
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
@@ -49,7 +55,8 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                finite: torch.Tensor) -> list[int]:
         """Every row at once: temperature, then the top-k / top-p / min-p masks, then the inverse CDF at one uniform
         draw from the row's own generator (one random number per token, where a Gumbel race needs one per vocab entry).
         `logits` is the sampler's own float copy: it is worked on in place, since each fresh [n, vocab] temporary
@@ -57,7 +64,7 @@ class Sampler:
         n, vocab = logits.shape
         column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        greedy_tokens = logits[greedy].argmax(dim=-1).tolist() if greedy else []
+        greedy_tokens = logits[greedy].argmax(dim=-1) if greedy else None
         temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
         if any(t != 1.0 for t in temperatures):
             logits.div_(column(temperatures))
@@ -77,10 +84,10 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
         draws = [1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0 for g in generators]
-        tokens = inverse_cdf(weights, column(draws))
-        for i, token in zip(greedy, greedy_tokens):
-            tokens[i] = token
-        return tokens
+        tokens, has_mass = inverse_cdf_tensor(weights, column(draws))
+        if greedy:
+            tokens[greedy] = greedy_tokens
+        return _valid_or_invalid(tokens, finite & has_mass)
 
     @staticmethod
     def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -104,21 +111,31 @@ class Sampler:
             return [None] * len(tokens)
         picked = []
         for row, (token, p) in enumerate(zip(tokens, params)):
-            if p.logprobs is None:
+            if p.logprobs is None or token == INVALID_TOKEN:
                 picked.append(None)
                 continue
             entry = {token: float(logprobs[row, token])}
             if p.logprobs:
-                top = torch.topk(logprobs[row], p.logprobs)
+                top = torch.topk(logprobs[row], min(p.logprobs, logprobs.shape[-1]))
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             picked.append(entry)
         return picked
 
 
+def _valid_or_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> list[int]:
+    return torch.where(valid, tokens, INVALID_TOKEN).tolist()  # one host sync for the whole batch
+
+
 def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> list[int]:
+    tokens, has_mass = inverse_cdf_tensor(weights, draws, block)
+    return _valid_or_invalid(tokens, has_mass)
+
+
+def inverse_cdf_tensor(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """weights [n, vocab] >= 0 (any scale), draws [n, 1] in (0, 1] -> per row, the first index whose running sum
-    reaches draw * total. Two levels (block sums, then one block's running sum) instead of a cumsum over the whole
-    vocabulary, which costs several ms a step on CPU."""
+    reaches draw * total, and whether the row had a finite, positive total to draw from (ids stay in range either
+    way). Two levels (block sums, then one block's running sum) instead of a cumsum over the whole vocabulary,
+    which costs several ms a step on CPU."""
     n, vocab = weights.shape
     full = vocab - vocab % block
     sums = weights[:, :full].view(n, full // block, block).sum(-1)
@@ -133,4 +150,6 @@ def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLO
     # rounding may push the target just outside its block; the clamp keeps it on a token with weight
     targets = torch.minimum(targets.clamp(min=torch.finfo(weights.dtype).tiny), inside[:, -1:])
     offsets = torch.searchsorted(inside, targets)
-    return (chosen * block + offsets).squeeze(1).tolist()
+    total = running[:, -1]
+    has_mass = total.isfinite() & (total > 0)
+    return (chosen * block + offsets).squeeze(1).clamp_(0, vocab - 1), has_mass

@@ -1,12 +1,26 @@
 """SamplingParams: what a request asks of the sampler and the stop checks. Torch-free."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import EngineInputError
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # a stream holds back this much text to catch a stop string split across deltas
+MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf, and the softmax to NaN.
+SAMPLING_EPS = 1e-5
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -30,6 +44,8 @@ class SamplingParams:
         self.stop_strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -43,8 +59,14 @@ class SamplingParams:
         def bad(message: str, param: str) -> None:
             raise EngineInputError(message, param)
 
-        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)):
-            bad(f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)):
+                bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
+        for name in ("max_tokens", "seed", "logprobs"):
+            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+                bad(f"{name} must be an integer, got {getattr(self, name)!r}", name)
+        if not _is_int(self.top_k):
+            bad(f"top_k must be an integer, got {self.top_k!r}", "top_k")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not self.temperature >= 0.0:
@@ -58,11 +80,20 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            bad(f"seed must be a 64-bit integer, in [-2**63, 2**64), got {self.seed}", "seed")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        self._validate_stops(bad)
+
+    def _validate_stops(self, bad) -> None:
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             bad(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop_strings)}", "stop")
         if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
             bad("stop strings must be non-empty strings", "stop")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop_strings):
+            bad(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}", "stop_token_ids")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers", "stop_token_ids")

@@ -87,7 +87,7 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            matched = self.block_manager.match_prefix(seq.token_ids)
+            matched = self.block_manager.match_prefix(seq.token_ids, seq.cache_salt)
             num_cached = len(matched) * self.block_manager.block_size
             num_new = min(len(seq) - num_cached, budget)
             if not self.block_manager.can_allocate(matched, num_cached + num_new):

@@ -31,7 +31,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "downscale_delay_s": args.downscale_delay_s,
             "look_back_period_s": args.look_back_period_s,
         },
-        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=args.drain_timeout_s,
         health_check_period_s=5,
     )
     ingress = serve.deployment(IngressDeployment).options(
@@ -42,7 +42,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         backpressure_config=backpressure,
         autoscaling_config={"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
                             "target_ongoing_requests": INGRESS_TARGET_ONGOING},
-        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=args.drain_timeout_s,
     )
     return ingress.bind(replica.bind(args), args)
 

@@ -45,13 +45,25 @@ class AppArgs(BaseModel):
 
     # HTTP behaviour
     api_key: str | None = Field(default_factory=lambda: os.environ.get("LLM_SERVE_API_KEY") or None)
+    allow_unauthenticated: bool = Field(default=False, description="start without api_key on a non-loopback address")
     default_max_tokens: int | None = Field(default=None, ge=1, description="when a request gives none")
-    max_tokens_limit: int = Field(default=4096, ge=1, description="cap on the default max_tokens")
+    max_tokens_limit: int = Field(default=4096, ge=1, description="cap on max_tokens: caps the default, refuses more")
     request_timeout_s: float = Field(default=600, gt=0)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    body_timeout_s: float = Field(default=30, gt=0, description="the whole request body must arrive within this")
+    sse_keepalive_s: float = Field(default=15, gt=0, description="an SSE comment after this long without a chunk")
+    openapi_url: str | None = Field(default="/openapi.json", description="None hides the schema")
     retry_after_s: int = Field(default=1, ge=0)
-    graceful_shutdown_timeout_s: float = Field(default=30, ge=0)
+    graceful_shutdown_timeout_s: float | None = Field(
+        default=None, ge=0, description="drain on shutdown; default: request_timeout_s + 10, since no accepted "
+                                        "request runs longer, so a deploy never cuts a generation short")
     log_prompts: bool = Field(default=False, description="debug only: prompts and completions in logs")
+
+    @property
+    def drain_timeout_s(self) -> float:
+        if self.graceful_shutdown_timeout_s is not None:
+            return self.graceful_shutdown_timeout_s
+        return self.request_timeout_s + 10
 
     @property
     def model_name(self) -> str:
@@ -64,6 +76,7 @@ class AppArgs(BaseModel):
             kv_cache_memory=self.kv_cache_memory, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
+            default_max_tokens=self.default_max_tokens, max_tokens_limit=self.max_tokens_limit,
         )
 
     @property

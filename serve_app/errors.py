@@ -7,7 +7,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+               408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+               503: "service_unavailable", 504: "timeout_error"}
 
 
 class OpenAIError(Exception):
@@ -31,7 +32,7 @@ def envelope(status: int, message: str, param: str | None = None, code: str | in
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0] if exc.errors() else {}
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(location) or None
+    param = ".".join(location) or (first.get("ctx") or {}).get("path")
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -21,19 +20,28 @@ from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, chunk_body,
                                        completion_body, usage)
+from serve_app.security import authorized, exposure_problem, needs_key
 
 log = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 2.0
+CONTROL_TIMEOUT_S = 10.0  # model info and other short calls to the replica
 ADMISSION_ATTEMPTS = 3
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see bytes
 
-def _authorized(request: Request, key: str) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+def _proxy_host() -> str | None:
+    try:
+        return serve.context._get_global_client().http_config.host
+    except Exception:  # no reachable controller: exposure_problem treats the address as unknown
+        return None
 
 
 class Ingress:
     def __init__(self, engine: DeploymentHandle, args: AppArgs):
+        problem = exposure_problem(_proxy_host(), args.api_key, args.allow_unauthenticated)
+        if problem:
+            raise RuntimeError(problem)  # the deployment fails to start, and `serve run` shows why
         self.engine = engine
         self.args = args
         self._model_info: dict | None = None
@@ -47,8 +55,8 @@ class Ingress:
             stats = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
         except Exception as exc:
             raise OpenAIError(503, f"no ready engine replica ({type(exc).__name__})", retry_after_s=self.args.retry_after_s)
-        if not stats.get("engine_running"):
-            raise OpenAIError(503, "the engine loop is not running", retry_after_s=self.args.retry_after_s)
+        if stats.get("health_problem"):
+            raise OpenAIError(503, "the engine is unhealthy", retry_after_s=self.args.retry_after_s)
         return {"status": "ok", "num_running": stats["num_running"], "num_waiting": stats["num_waiting"]}
 
     async def models(self) -> dict:
@@ -60,7 +68,7 @@ class Ingress:
 
     async def _info(self) -> dict:
         if self._model_info is None:
-            self._model_info = await self._call(self.engine.info.remote())
+            self._model_info = await self._call(asyncio.wait_for(self.engine.info.remote(), CONTROL_TIMEOUT_S))
         return self._model_info
 
     async def respond(self, body: SamplingFields, prompt, chat: bool, request: Request):
@@ -68,7 +76,7 @@ class Ingress:
             raise OpenAIError(404, f"model '{body.model}' does not exist; this server serves '{self.args.model_name}'",
                               "model", "model_not_found")
         request_id = request.state.request_id
-        job = {"request_id": request_id, "prompt": prompt, "params": _sampling_params(body)}
+        job = {"request_id": request_id, "prompt": prompt, "params": _sampling_params(body), "cache_salt": body.cache_salt}
         stream, admitted = await self._call(self._admit(job))
         if "error" in admitted:
             raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
@@ -106,9 +114,12 @@ class Ingress:
         model, tokens, first = self.args.model_name, 0, True
         try:
             async with asyncio.timeout(self.args.request_timeout_s):
-                async for delta in stream:
+                async for delta in _with_keep_alive(stream, self.args.sse_keepalive_s):
+                    if delta is None:
+                        yield KEEP_ALIVE
+                        continue
                     if delta.get("error"):
-                        raise RuntimeError(delta["error"])
+                        raise GenerationError(delta["error"])
                     tokens = delta["completion_tokens"]
                     if delta["text"] or delta["finish_reason"] or first:
                         yield _sse(chunk_body(request_id, model, delta["text"], delta["finish_reason"], chat, created, first))
@@ -118,9 +129,7 @@ class Ingress:
                 final["choices"], final["usage"] = [], usage(prompt_tokens, tokens)
                 yield _sse(final)
         except Exception as exc:  # headers are gone: report in-band, then end the stream properly
-            log.warning("stream %s failed: %s", request_id, type(exc).__name__)
-            status = 504 if isinstance(exc, TimeoutError) else 500
-            yield _sse(envelope(status, f"generation failed: {exc}" if status == 500 else "request timed out"))
+            yield _sse(_stream_error(exc, request_id))
         finally:
             stream.cancel()
         yield "data: [DONE]\n\n"
@@ -139,6 +148,42 @@ class Ingress:
             log.warning("engine call failed: %s", type(exc).__name__)
             raise OpenAIError(503, f"no engine replica could serve the request ({type(exc).__name__})",
                               retry_after_s=self.args.retry_after_s)
+
+
+class GenerationError(RuntimeError):
+    """The engine failed this request; its message is the engine's own, written for clients."""
+
+
+def _stream_error(exc: Exception, request_id: str) -> dict:
+    """The in-band error of a stream. Only the engine's own messages reach the client: a Ray error's text holds a
+    remote traceback, actor ids and node addresses, which go to the server log under the request id instead."""
+    if isinstance(exc, TimeoutError):
+        return envelope(504, "request timed out", code="timeout")
+    if isinstance(exc, GenerationError):
+        return envelope(500, f"generation failed: {exc}")
+    log.warning("stream %s failed: %s: %s", request_id, type(exc).__name__, exc)
+    return envelope(503, f"the engine replica serving request {request_id} failed; retry the request")
+
+
+async def _with_keep_alive(stream, interval_s: float):
+    """The stream's items, with None whenever `interval_s` passes without one (a queued request, a long prefill)."""
+    iterator = stream.__aiter__()
+    pending = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            pending, task = None, pending
+            try:
+                yield task.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
 
 
 async def _collect(stream) -> tuple[str, int, str | None]:
@@ -163,17 +208,18 @@ def _sse(payload: dict) -> str:
 
 def build_api(ingress: Ingress) -> FastAPI:
     args = ingress.args
-    api = FastAPI(title="llm-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    api = FastAPI(title="llm-serve", version="1", docs_url=None, redoc_url=None, openapi_url=args.openapi_url)
     install_error_handlers(api)
-    api.add_middleware(BodyLimit, max_bytes=args.max_body_bytes)  # inside `guard`, whose receive wrapping hides errors
+    # inside `guard`, whose receive wrapping hides errors
+    api.add_middleware(BodyLimit, max_bytes=args.max_body_bytes, timeout_s=args.body_timeout_s)
 
     @api.middleware("http")
     async def guard(request: Request, call_next):
-        """The bearer key on /v1/*; the request id comes from Serve's proxy."""
+        """The bearer key on every route but /health, under any route prefix; the request id from Serve's proxy."""
         incoming = request.headers.get("x-request-id", "")
         request.state.request_id = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
         try:
-            if request.url.path.startswith("/v1/") and args.api_key and not _authorized(request, args.api_key):
+            if args.api_key and needs_key(request.scope) and not authorized(request.headers.get("authorization", ""), args.api_key):
                 raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
             response = await call_next(request)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class StreamOptions(BaseModel):
@@ -12,8 +13,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def find_unencodable(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode (JSON may carry lone surrogates,
+    which no tokenizer or response encoder accepts), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = find_unencodable(key, path) or find_unencodable(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_unencodable(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        path = find_unencodable(data)
+        if path is not None:
+            raise PydanticCustomError("unicode", "{path} is not valid Unicode (it holds a lone surrogate)", {"path": path})
+        return data
 
     model: str | None = None
     max_tokens: int | None = None
@@ -29,6 +59,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: benchmarks need fixed output lengths
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
+                                   description="vLLM's extension: prefix-cache blocks are shared only with the same salt")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,9 +1,11 @@
 """EngineReplica: one AsyncLLMEngine per replica (per GPU). Admission is batched; generation streams back."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray import serve
@@ -26,6 +28,9 @@ ADMISSION_WAIT_S = 0.005
 class EngineReplica:
     def __init__(self, args: AppArgs):
         self.args = args
+        # Tokenizing a long prompt takes a while: off the event loop, on one thread (a fast tokenizer is not
+        # shareable across threads), so streams on this replica keep flowing meanwhile.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.engine = AsyncLLMEngine(args.engine_config())
         self._warm_up()
         self.engine.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
@@ -44,26 +49,30 @@ class EngineReplica:
 
     @serve.batch(max_batch_size=ADMISSION_BATCH_SIZE, batch_wait_timeout_s=ADMISSION_WAIT_S)
     async def _admit(self, requests: list[dict]) -> list[tuple[RequestStream, int] | dict]:
-        return [self._admit_one(r) for r in requests]  # one bad request must not fail its batch-mates
+        prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize_all, requests)
+        return [self._enqueue(r, p) for r, p in zip(requests, prompts)]  # one bad request must not fail its batch-mates
 
-    def _admit_one(self, request: dict) -> tuple[RequestStream, int] | dict:
+    def _tokenize_all(self, requests: list[dict]) -> list[list[int] | dict]:
+        return [self._tokenize(r) for r in requests]
+
+    def _tokenize(self, request: dict) -> list[int] | dict:
         try:
-            token_ids = self.engine.engine.tokenize(request["prompt"])
-            params = dict(request["params"])
-            if params.get("max_tokens") is None:
-                remaining = self.engine.engine.max_model_len - len(token_ids)
-                params["max_tokens"] = max(1, min(self.args.default_max_tokens or remaining, self.args.max_tokens_limit, remaining))
+            return self.engine.engine.tokenize(request["prompt"])
+        except Exception as exc:
+            return _refusal(exc, request)
+
+    def _enqueue(self, request: dict, token_ids: list[int] | dict) -> tuple[RequestStream, int] | dict:
+        if isinstance(token_ids, dict):
+            return token_ids
+        try:
             # Serve may retry a request under the same public id; an abort queued for the old attempt must never
             # hit the new one, so the engine sees an id of its own per attempt.
             engine_id = f"{request['request_id']}#{uuid.uuid4().hex[:12]}"
-            return self.engine.add_request(engine_id, token_ids, SamplingParams(**params)), len(token_ids)
-        except EngineInputError as exc:
-            return {"status": 400, **envelope(400, str(exc), exc.param)}
-        except EngineOverloadedError as exc:
-            return {"status": 429, **envelope(429, str(exc), code="overloaded")}
-        except Exception as exc:  # never crash the replica on one request
-            log.exception("admission failed for %s", request.get("request_id"))
-            return {"status": 500, **envelope(500, f"admission failed: {type(exc).__name__}")}
+            params = SamplingParams(**request["params"])
+            stream = self.engine.add_request(engine_id, token_ids, params, cache_salt=request.get("cache_salt"))
+            return stream, len(token_ids)
+        except Exception as exc:
+            return _refusal(exc, request)
 
     async def generate(self, request: dict):
         """Streams: first {"admitted": ...} or an error, then {"text", "completion_tokens", "finish_reason"} deltas."""
@@ -86,16 +95,29 @@ class EngineReplica:
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.placement, "engine_running": self.engine.is_running, "time": time.time(),
+                "health_problem": self.engine.health_problem(),
                 "metrics_share_of_step": self.engine.engine.metrics_share_of_step}
 
     def info(self) -> dict:
         return self.model_info
 
     async def check_health(self) -> None:
-        if not self.engine.is_running:
-            raise RuntimeError(self.engine.dead_reason or "engine loop is not running")
+        """Serve replaces this replica when it raises: a dead loop, repeated failed steps or a hung step."""
+        problem = self.engine.health_problem()
+        if problem:
+            raise RuntimeError(problem)
 
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=1.0)
+
+
+def _refusal(exc: Exception, request: dict) -> dict:
+    """An admission refused: statuses are the ingress's to send, this says which and why."""
+    if isinstance(exc, EngineInputError):
+        return {"status": 400, **envelope(400, str(exc), exc.param)}
+    if isinstance(exc, EngineOverloadedError):
+        return {"status": 429, **envelope(429, str(exc), code="overloaded")}
+    log.error("admission failed for %s", request.get("request_id"), exc_info=exc)  # never crash the replica on one request
+    return {"status": 500, **envelope(500, f"admission failed: {type(exc).__name__}")}

@@ -91,3 +91,27 @@ def test_grow_refuses_beyond_the_pool():
     with pytest.raises(RuntimeError):
         bm.grow(s, 9)
     bm.free(s)
+
+
+def test_block_hashes_are_digests_chained_from_the_salt():
+    from engine.block_manager import NO_HASH, hash_block, root_hash
+
+    first = hash_block((1, 2, 3, 4), NO_HASH)
+    assert isinstance(first, bytes) and len(first) == 16 and first == hash_block((1, 2, 3, 4), NO_HASH)
+    assert hash_block((1, 2, 3, 5), NO_HASH) != first and hash_block((1, 2, 3, 4), first) != first
+    assert root_hash(None) == NO_HASH and root_hash("a") != root_hash("b") and root_hash("a") == root_hash("a")
+    # the salt is not a token block: no token ids can reproduce a salted root
+    assert root_hash("a") != hash_block((), NO_HASH)
+
+
+def test_a_cache_salt_keeps_tenants_apart_and_the_same_salt_shares():
+    bm = BlockManager(16, BS)
+    tokens = list(range(9))
+    a = Sequence("a", tokens, SamplingParams(max_tokens=8), cache_salt="tenant-a")
+    admit(bm, a)
+    assert bm.match_prefix(tokens) == []  # unsalted callers cannot hit (or time) a salted prompt
+    assert bm.match_prefix(tokens, "tenant-b") == []
+    assert len(bm.match_prefix(tokens, "tenant-a")) == 2
+    plain = seq(tokens, "plain")
+    admit(bm, plain)
+    assert len(bm.match_prefix(tokens)) == 2 and bm.match_prefix(tokens, "tenant-b") == []

@@ -13,7 +13,11 @@ LAUNCHERS = ["cluster/aws-gpu.yaml", "cluster/gcp-gpu.yaml"]
 
 
 def load(path: str) -> dict:
-    return yaml.safe_load((ROOT / path).read_text())
+    return next(yaml.safe_load_all((ROOT / path).read_text()))
+
+
+def kuberay_documents() -> dict:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all((ROOT / "cluster/kuberay-rayservice.yaml").read_text())}
 
 
 @pytest.mark.parametrize("path", LAUNCHERS)
@@ -39,18 +43,33 @@ def test_launcher_head_runs_no_replicas_and_every_node_exports_metrics(path):
     gpu = config["available_node_types"]["gpu_worker"]
     assert gpu["resources"]["GPU"] == 1 and gpu["min_workers"] <= gpu["max_workers"]
     assert any("serve deploy serve_app/config.gpu.yaml" in c for c in config["head_start_ray_commands"])
-    assert any("HF_HOME" in c for c in config["setup_commands"]) and any("HF_TOKEN" in c for c in config["setup_commands"])
+    assert any("HF_HOME" in c for c in config["setup_commands"])
+
+
+@pytest.mark.parametrize("path", LAUNCHERS)
+def test_launcher_keeps_the_dashboard_on_loopback_and_secrets_out_of_files(path):
+    config = load(path)
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start and "0.0.0.0" not in head_start
+    every_command = [c for key in ("initialization_commands", "setup_commands", "head_start_ray_commands",
+                                   "worker_start_ray_commands") for c in config.get(key, [])]
+    for command in every_command:
+        if "HF_TOKEN" in command or "LLM_SERVE_API_KEY" in command:
+            assert ">" not in command.split("ray start")[0].replace("2>/dev/null", ""), f"a secret written to a file: {command}"
+            assert "ray start" in command, "secrets are read into ray start's environment only"
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        assert any("LLM_SERVE_API_KEY=$(" in c and "HF_TOKEN=$(" in c for c in commands)
 
 
 def test_kuberay_serve_config_is_config_gpu_yaml_and_passes_serve_schema():
-    manifest = load("cluster/kuberay-rayservice.yaml")
+    manifest = kuberay_documents()["RayService"]
     serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     assert serve_config == load("serve_app/config.gpu.yaml"), "cluster/kuberay-rayservice.yaml drifted from config.gpu.yaml"
     ServeDeploySchema.model_validate(serve_config)
 
 
 def test_kuberay_groups_head_without_gpus_metrics_port_and_resources():
-    spec = load("cluster/kuberay-rayservice.yaml")["spec"]["rayClusterConfig"]
+    spec = kuberay_documents()["RayService"]["spec"]["rayClusterConfig"]
     head = spec["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0" and head["rayStartParams"]["metrics-export-port"] == "8080"
     (gpu,) = spec["workerGroupSpecs"]
@@ -59,3 +78,17 @@ def test_kuberay_groups_head_without_gpus_metrics_port_and_resources():
     assert container["resources"]["requests"] == container["resources"]["limits"]
     assert {"containerPort": 8080, "name": "metrics"} in container["ports"]
     assert gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
+
+
+def test_kuberay_takes_the_api_key_from_a_secret_and_fences_the_dashboard():
+    documents = kuberay_documents()
+    spec = documents["RayService"]["spec"]["rayClusterConfig"]
+    containers = [spec["headGroupSpec"]["template"]["spec"]["containers"][0],
+                  spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]]
+    for container in containers:
+        (key,) = [e for e in container["env"] if e["name"] == "LLM_SERVE_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"]["name"] == "llm-serve-api-key" and "optional" not in key["valueFrom"]["secretKeyRef"]
+    policy = documents["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"]["ray.io/node-type"] == "head"
+    (dashboard_rule,) = [r for r in policy["ingress"] if {"port": 8265} in r.get("ports", [])]
+    assert dashboard_rule["from"] and all("namespaceSelector" in f for f in dashboard_rule["from"])

@@ -77,3 +77,55 @@ def test_the_two_level_inverse_cdf_lands_on_the_token_whose_mass_holds_the_draw(
     reference = torch.searchsorted(weights.cumsum(-1), draws * weights.sum(-1, keepdim=True)).squeeze(1).tolist()
     assert inverse_cdf(weights, draws, block=64) == reference
     assert all(weights[row, token] > 0 for row, token in enumerate(reference))
+
+
+# -- extreme logits and parameters: every id is in the vocabulary, or the row is marked invalid ---------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from engine.sampler import INVALID_TOKEN  # noqa: E402
+
+SPECIAL = [float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38, 0.0, 1e-45]
+logit_values = st.one_of(st.floats(-1e4, 1e4, allow_nan=False), st.sampled_from(SPECIAL))
+params_strategy = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.just(0.0), st.floats(1e-45, 1e-5), st.floats(1e-5, 1e6)),
+    top_p=st.one_of(st.just(1.0), st.floats(1e-6, 1.0)),
+    top_k=st.one_of(st.just(-1), st.integers(1, 40)),
+    min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2),
+    seed=st.integers(-(2**63), 2**64 - 1), logprobs=st.one_of(st.none(), st.integers(0, 5)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 4), vocab=st.sampled_from([1, 2, 7, 33, 1500]))
+def test_every_sampled_id_is_in_the_vocabulary_whatever_the_logits_and_parameters(data, rows, vocab):
+    logits = torch.tensor([data.draw(st.lists(logit_values, min_size=vocab, max_size=vocab)) for _ in range(rows)])
+    if data.draw(st.booleans()):
+        logits[0] = data.draw(st.sampled_from(SPECIAL))  # a whole row equal (or all NaN / inf)
+    params = [data.draw(params_strategy) for _ in range(rows)]
+    generators = [make_generator(p, torch.device("cpu")) for p in params]
+    history = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=5)) for _ in range(rows)]
+    tokens, logprobs = Sampler()(logits, params, generators, history)
+    assert len(tokens) == rows
+    for row, token in enumerate(tokens):
+        assert token == INVALID_TOKEN or 0 <= token < vocab, (token, logits[row])
+        if not torch.isfinite(logits[row]).all():
+            assert token == INVALID_TOKEN, "a row with NaN or inf logits has no distribution to draw from"
+        elif token != INVALID_TOKEN and params[row].logprobs is not None:
+            assert token in logprobs[row]
+
+
+def test_finite_rows_always_get_a_token_even_at_extreme_temperatures():
+    logits = torch.tensor([[0.0, 0.0, 0.0], [1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]])
+    for temperature in (1e-40, 1e-5, 1.0, 1e6):
+        params = [SamplingParams(temperature=temperature, seed=s) for s in range(3)]
+        tokens, _ = Sampler()(logits, params, [make_generator(p, torch.device("cpu")) for p in params], [[], [], []])
+        assert all(0 <= t < 3 for t in tokens), (temperature, tokens)
+        assert tokens[1] == 0
+
+
+def test_a_temperature_below_epsilon_is_greedy():
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=1e-40).temperature == 0.0
+    assert not SamplingParams(temperature=1e-4).greedy

@@ -7,8 +7,11 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import build_app
 from serve_app.config import AppArgs
+from serve_app.security import exposure_problem
 
-CONFIGS = sorted(Path("serve_app").glob("config*.yaml"))
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "serve_app").glob("config*.yaml"))
+assert len(CONFIGS) >= 2, f"the shipped Serve configs were not found under {ROOT}"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -22,8 +25,8 @@ def test_config_passes_serve_schema_and_app_args(path):
 
 
 def test_local_config_binds_loopback_and_gpu_config_asks_for_gpus():
-    local = yaml.safe_load(Path("serve_app/config.yaml").read_text())
-    gpu = yaml.safe_load(Path("serve_app/config.gpu.yaml").read_text())
+    local = yaml.safe_load((ROOT / "serve_app/config.yaml").read_text())
+    gpu = yaml.safe_load((ROOT / "serve_app/config.gpu.yaml").read_text())
     assert local["http_options"]["host"] == "127.0.0.1" and local["http_options"]["port"] == 8000
     assert AppArgs(**gpu["applications"][0]["args"]).num_gpus == 1
 
@@ -32,3 +35,22 @@ def test_replica_concurrency_is_sized_to_the_engine_not_serve_defaults():
     args = AppArgs(max_num_seqs=64, max_waiting=100)
     assert args.replica_max_ongoing_requests > 64 + 100
     assert AppArgs().model_name == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_a_shipped_config_exposed_beyond_loopback_refuses_to_start_without_a_key(path, monkeypatch):
+    monkeypatch.delenv("LLM_SERVE_API_KEY", raising=False)
+    raw = yaml.safe_load(path.read_text())
+    args = AppArgs(**raw["applications"][0]["args"])
+    host = raw["http_options"]["host"]
+    problem = exposure_problem(host, args.api_key, args.allow_unauthenticated)
+    assert (problem is None) == (host == "127.0.0.1"), (host, problem)
+    monkeypatch.setenv("LLM_SERVE_API_KEY", "from-the-environment")
+    args = AppArgs(**raw["applications"][0]["args"])
+    assert exposure_problem(host, args.api_key, args.allow_unauthenticated) is None
+
+
+def test_the_drain_outlasts_any_accepted_request_unless_set():
+    assert AppArgs().drain_timeout_s > AppArgs().request_timeout_s
+    assert AppArgs(request_timeout_s=1200).drain_timeout_s > 1200
+    assert AppArgs(graceful_shutdown_timeout_s=5).drain_timeout_s == 5

@@ -1,0 +1,31 @@
+"""Auth covers every route but /health under any route prefix; exposure without a key is refused."""
+import pytest
+
+from serve_app.security import authorized, exposure_problem, is_loopback, needs_key
+
+
+@pytest.mark.parametrize("root, path, protected", [
+    ("", "/health", False), ("", "/v1/models", True), ("", "/openapi.json", True), ("", "/", True),
+    ("/llm", "/llm/health", False), ("/llm", "/llm/v1/chat/completions", True), ("/llm", "/llm/openapi.json", True),
+    ("/llm", "/llm", True), ("/llm", "/llm/health/", True), ("/llm", "/llmx/health", True),
+])
+def test_every_route_but_health_needs_the_key_under_any_prefix(root, path, protected):
+    assert needs_key({"path": path, "root_path": root}) is protected
+
+
+def test_the_key_is_a_bearer_token_compared_exactly():
+    assert authorized("Bearer s3cret", "s3cret") and authorized("bearer  s3cret ", "s3cret")
+    assert not authorized("Bearer s3cre", "s3cret") and not authorized("s3cret", "s3cret") and not authorized("", "k")
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                            ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("example.com", False)])
+def test_loopback_is_recognised(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_exposure_without_a_key_is_refused_unless_said_on_purpose():
+    assert exposure_problem("127.0.0.1", None, False) is None
+    assert "api_key" in exposure_problem("0.0.0.0", None, False)
+    assert "api_key" in exposure_problem(None, None, False)  # unknown address: fail closed
+    assert exposure_problem("0.0.0.0", "k", False) is None and exposure_problem("0.0.0.0", None, True) is None
