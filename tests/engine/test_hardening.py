@@ -4,7 +4,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from engine import AsyncLLMEngine, SamplingParams
 from engine.errors import EngineInputError

@@ -31,7 +31,9 @@ CASES = [
     ("prompt over context", "POST", COMPLETIONS, comp(prompt="hi " * 9000), {}, 400, "context"),
     ("max_tokens 0", "POST", COMPLETIONS, comp(max_tokens=0), {}, 400, "max_tokens"),
     ("max_tokens -1", "POST", COMPLETIONS, comp(max_tokens=-1), {}, 400, "max_tokens"),
-    ("max_tokens 1e9", "POST", COMPLETIONS, comp(max_tokens=10**9), {}, 400, "context"),
+    ("max_tokens 1e9", "POST", COMPLETIONS, comp(max_tokens=10**9), {}, 400, "at most 256"),
+    ("max_tokens over the limit", "POST", COMPLETIONS, comp(max_tokens=257), {}, 400, "at most 256"),
+    ("prompt and max_tokens over context", "POST", COMPLETIONS, comp(prompt="hi " * 8100, max_tokens=200), {}, 400, "context"),
     ("max_tokens text", "POST", COMPLETIONS, comp(max_tokens="ten"), {}, 400, "max_tokens"),
     ("max_tokens float", "POST", COMPLETIONS, comp(max_tokens=1.5), {}, 400, "max_tokens"),
     ("temperature negative", "POST", CHAT, chat(temperature=-1), {}, 400, "temperature"),
@@ -44,7 +46,7 @@ CASES = [
     ("n above one", "POST", CHAT, chat(n=2), {}, 400, "n"),
     ("token id outside vocabulary", "POST", COMPLETIONS, comp(prompt=[10**9]), {}, 400, "vocabulary"),
     ("bad stream_options", "POST", CHAT, chat(stream=True, stream_options="yes"), {}, 400, "stream_options"),
-    ("oversized body", "POST", CHAT, chat(messages=[{"role": "user", "content": "x" * 70_000}]), {}, 413, "limit"),
+    ("oversized body", "POST", CHAT, chat(messages=[{"role": "user", "content": "x" * 1_100_000}]), {}, 413, "limit"),
     ("missing api key", "POST", CHAT, OK_CHAT, {"authorization": ""}, 401, "API key"),
     ("wrong api key", "POST", CHAT, OK_CHAT, {"authorization": "Bearer nope"}, 401, "API key"),
     ("unknown route", "POST", "/v1/nothing", OK_CHAT, {}, 404, "not found"),
@@ -85,7 +87,7 @@ def test_health_needs_no_key_and_request_ids_are_echoed(base_url, auth):
 def test_a_chunked_body_without_length_is_capped_too(base_url, auth):
     def chunks():
         yield b'{"messages": [{"role": "user", "content": "'
-        for _ in range(70):
+        for _ in range(1100):
             yield b"x" * 1000
         yield b'"}]}'
 

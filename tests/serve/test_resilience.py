@@ -1,5 +1,6 @@
 """Disconnects, overload and a replica crash: nothing hangs, nothing leaks, accepted work completes."""
 import asyncio
+import json
 import logging
 import time
 
@@ -68,12 +69,22 @@ def test_the_replica_steps_on_every_core_despite_rays_one_thread_default(replica
 
 
 def test_zz_killed_replica_is_replaced_and_health_shows_it(base_url, auth):
-    """Runs last in this module: it kills the shared app's engine replica."""
+    """Runs last in this module: it kills the shared app's engine replica, with a stream in flight on it."""
     import ray
 
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"])
-    killed_at = time.monotonic()
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json={**LONG, "ignore_eos": True}, headers=auth,
+                      timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] is None and "retry" in error["message"], error
+    for internal in ("Traceback", "Actor", "actor_id", "ray.", "127.0.0.1", "File \""):
+        assert internal not in error["message"], f"{internal!r} leaked to the client: {error['message']}"
     saw_outage = False
     while time.monotonic() - killed_at < 60 and not saw_outage:
         saw_outage = httpx.get(base_url + "/health", timeout=5).status_code == 503

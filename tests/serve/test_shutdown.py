@@ -1,4 +1,5 @@
-"""Graceful shutdown, on a second app of its own (bf16, the default dtype) so the shared one keeps serving."""
+"""A second app of its own under a route prefix (bf16, the default dtype), so the shared one keeps serving:
+auth under a non-root prefix, then graceful shutdown."""
 import asyncio
 import json
 import logging
@@ -27,7 +28,8 @@ async def read_stream(client: httpx.AsyncClient, url: str, headers: dict, starte
     return {"done": chunks[-1] == "[DONE]", "events": [json.loads(c) for c in chunks[:-1]]}
 
 
-async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(serve_app, auth):
+@pytest.fixture(scope="module")
+def drain_app(serve_app):
     from ray import serve
 
     from serve_app.app import build_app
@@ -35,7 +37,27 @@ async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(serve
     args = {**serve_app["args"], "dtype": "auto", "graceful_shutdown_timeout_s": 60}
     serve.run(build_app(args), name="drain", route_prefix="/drain", blocking=False)
     base = serve_app["base_url"] + "/drain"
-    await asyncio.to_thread(wait_healthy, base)
+    wait_healthy(base)
+    yield base
+    if "drain" in serve.status().applications:
+        serve.delete("drain")
+
+
+@pytest.mark.parametrize("method, route", [("GET", "/v1/models"), ("GET", "/openapi.json"),
+                                           ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                                           ("GET", "/no/such/route")])
+def test_under_a_route_prefix_every_route_but_health_needs_the_key(drain_app, auth, method, route):
+    body = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "max_tokens": 2} if method == "POST" else None
+    refused = httpx.request(method, drain_app + route, json=body, timeout=30)
+    assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"], refused.text
+    assert httpx.request(method, drain_app + route, json=body, headers=auth, timeout=60).status_code in (200, 404)
+    assert httpx.get(drain_app + "/health", timeout=30).status_code == 200
+
+
+async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(drain_app, auth):
+    from ray import serve
+
+    base = drain_app
     async with httpx.AsyncClient(timeout=120) as client:
         smoke = await client.post(base + "/v1/chat/completions", headers=auth,
                                   json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})

@@ -1,0 +1,123 @@
+"""Hostile and odd input through real HTTP under Ray Serve: nothing a client sends gets a 5xx or hurts another
+request, and the limits hold."""
+import asyncio
+import time
+import uuid
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def chat(content="Say hello.", **changes):
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, **changes}
+
+
+async def test_a_poisoned_request_beside_five_ordinary_ones_fails_none_of_them(base_url, auth):
+    bodies = [chat(temperature=1e-40, ignore_eos=True)] + [chat(ignore_eos=True, seed=i) for i in range(5)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        replies = await asyncio.gather(*(client.post(base_url + CHAT, json=b, headers=auth) for b in bodies))
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 8 and reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("raw_body, param", [
+    (b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 4}', "messages[0].content"),
+    (b'{"prompt": "\\udfff", "max_tokens": 4}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"], "max_tokens": 4}', "stop[0]"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800", "max_tokens": 4}', "model"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "user": "\\ud800", "max_tokens": 4}', "user"),
+])
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(base_url, auth, raw_body, param):
+    path = COMPLETIONS if b'"prompt"' in raw_body else CHAT
+    r = httpx.post(base_url + path, content=raw_body, headers={**auth, "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "unicode" in error["message"].lower(), error
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (chat(seed=2**64), "seed", "64-bit"),
+    (chat(seed=-(2**63) - 1), "seed", "64-bit"),
+    (chat(stop=["x" * 257]), "stop", "256 characters"),
+    (chat(max_tokens=257), "max_tokens", "at most 256"),
+    (chat(max_completion_tokens=10**30), "max_tokens", "at most 256"),
+    (chat(cache_salt=""), "cache_salt", ""),
+    (chat(messages=[{"role": "user", "content": "hi"}] * 5000), None, ""),  # a huge array: refused, not a 5xx
+])
+def test_absurd_values_are_400s_naming_the_field(base_url, auth, body, param, words):
+    r = httpx.post(base_url + CHAT, json=body, headers=auth, timeout=60)
+    assert r.status_code in (400, 413) and r.status_code < 500, r.text
+    if param is not None:
+        error = r.json()["error"]
+        assert r.status_code == 400 and param in (error["param"] or "") and words in error["message"], error
+
+
+def test_a_prompt_that_cannot_fit_is_refused_by_its_length_before_tokenizing(base_url, auth):
+    started = time.monotonic()
+    r = httpx.post(base_url + COMPLETIONS, json={"prompt": "a" * 700_000, "max_tokens": 4}, headers=auth, timeout=60)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "prompt"
+    assert time.monotonic() - started < 5
+
+
+async def test_a_body_that_trickles_in_times_out_with_408(base_url, serve_app):
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {serve_app['api_key']}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{").encode())
+    await writer.drain()
+    started = time.monotonic()
+
+    async def trickle():
+        while True:
+            await asyncio.sleep(0.5)
+            writer.write(b" ")
+            await writer.drain()
+
+    dripping = asyncio.create_task(trickle())
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), 30)
+    finally:
+        dripping.cancel()
+        writer.close()
+    waited = time.monotonic() - started
+    assert status_line.split()[1] == b"408", status_line
+    assert serve_app["args"]["body_timeout_s"] - 0.5 <= waited < 20, waited
+
+
+def test_openapi_schema_is_published_behind_the_key(base_url, auth):
+    assert httpx.get(base_url + "/openapi.json", timeout=30).status_code == 401
+    schema = httpx.get(base_url + "/openapi.json", headers=auth, timeout=30).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(schema["paths"])
+
+
+def test_a_stream_waiting_for_its_first_token_gets_keep_alive_comments(base_url, auth, serve_app):
+    body = {"prompt": "word " * 3000, "max_tokens": 2, "stream": True}  # a prefill of seconds on this CPU
+    lines = []
+    with httpx.stream("POST", base_url + COMPLETIONS, json=body, headers=auth, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert first_data > 0 and all(line == ": keep-alive" for line in lines[:first_data]), lines[:5]
+    assert lines[-1] == "data: [DONE]" and not any("error" in line for line in lines)
+
+
+def test_a_cache_salt_keeps_prefix_cache_blocks_apart(base_url, auth, replica_handle):
+    prompt = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 12  # ~130 tokens, unseen
+
+    def hits_after(salt):
+        before = replica_handle.stats.remote().result(timeout_s=10)["prefix_cache_hits"]
+        body = {"prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        assert httpx.post(base_url + COMPLETIONS, json=body, headers=auth, timeout=60).status_code == 200
+        return replica_handle.stats.remote().result(timeout_s=10)["prefix_cache_hits"] - before
+
+    assert hits_after("tenant-a") == 0
+    assert hits_after("tenant-b") == 0, "another tenant's salt must not hit tenant-a's blocks"
+    assert hits_after(None) == 0, "an unsalted request must not hit (or time) a salted prompt"
+    assert hits_after("tenant-a") >= 100, "the same salt shares its blocks"
