@@ -34,7 +34,7 @@ stop:
 	-$(RAY) stop
 
 test: model prometheus
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=20
 
 test-fast: model
 	$(PY) -m pytest -q -m "not slow"

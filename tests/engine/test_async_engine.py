@@ -109,22 +109,29 @@ async def test_a_duplicate_request_id_is_refused(engine):
     await wait_idle(engine)
 
 
-async def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
+async def test_a_transient_step_failure_is_retried_and_a_persistent_one_fails_only_its_request(engine, monkeypatch):
     original = engine.engine.runner.execute
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
-            raise RuntimeError("injected")
+            raise RuntimeError("injected once")
         return original(*args, **kwargs)
 
     monkeypatch.setattr(engine.engine.runner, "execute", flaky)
+    outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "retried")]
+    assert outs[-1].finish_reason == "length" and outs[-1].error is None and len(outs[-1].token_ids) == 5
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected always")
+
+    monkeypatch.setattr(engine.engine.runner, "execute", broken)
     outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "victim")]
     assert outs[-1].finish_reason == "abort" and "engine step failed" in outs[-1].error
     monkeypatch.setattr(engine.engine.runner, "execute", original)
     after = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "survivor")]
-    assert after[-1].finish_reason == "length" and engine.is_running
+    assert after[-1].finish_reason == "length" and engine.is_running and engine.health_problem() is None
 
 
 async def test_the_step_loop_thread_uses_the_configured_threads(engine, monkeypatch):
