@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from engine.attention import register as register_paged_attention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cpu_kernels import paged_decode_op
+from engine.cpu_kernels import build_paged_decode, paged_decode_op
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
 from engine.host_memory import keep_freed_memory
@@ -102,10 +102,7 @@ class LLMEngine:
         backend = self.config.attention_backend
         if backend == "torch" or self.device.type != "cpu":
             return None
-        kernel = paged_decode_op()
-        if kernel is None and backend == "cpp":
-            raise RuntimeError("attention_backend='cpp' was asked for, but the C++ kernel did not build (see the log)")
-        return kernel
+        return build_paged_decode() if backend == "cpp" else paged_decode_op()  # 'cpp' raises where it cannot build
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

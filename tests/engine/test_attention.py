@@ -1,25 +1,26 @@
-"""The paged attention paths agree with plain SDPA over each sequence's contiguous context."""
+"""The paged attention paths agree with plain SDPA over each sequence's contiguous context, at the head sizes of
+the Llama family; the C++ kernel's build failure is an error, never a quiet fallback."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.attention import DecodeBatch, _decode_torch
-from engine.cpu_kernels import paged_decode_op
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, BLOCK = 9, 3, 16
 
 
-def random_pool(num_blocks, dtype, seed=0):
+def random_pool(num_blocks, head_dim, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shape = (KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
+    shape = (KV_HEADS, num_blocks, BLOCK, head_dim)
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
 def reference_decode(q, k_cache, v_cache, tables, lens):
-    outs = []
+    outs, head_dim = [], q.shape[-1]
     for b in range(q.shape[0]):
-        k = k_cache[:, tables[b]].reshape(KV_HEADS, -1, HEAD_DIM)[:, : lens[b]]
-        v = v_cache[:, tables[b]].reshape(KV_HEADS, -1, HEAD_DIM)[:, : lens[b]]
+        k = k_cache[:, tables[b]].reshape(KV_HEADS, -1, head_dim)[:, : lens[b]]
+        v = v_cache[:, tables[b]].reshape(KV_HEADS, -1, head_dim)[:, : lens[b]]
         o = F.scaled_dot_product_attention(q[b].unsqueeze(1).float(), k.float(), v.float(), enable_gqa=True)
         outs.append(o[:, 0])
     return torch.stack(outs)
@@ -28,21 +29,44 @@ def reference_decode(q, k_cache, v_cache, tables, lens):
 @pytest.fixture(params=["torch", "cpp"])
 def decode_fn(request):
     if request.param == "torch":
-        return lambda q, k, v, tables, lens: _decode_torch(q.transpose(0, 1), k, v, DecodeBatch(tables, lens, BLOCK), HEAD_DIM**-0.5)
-    op = paged_decode_op()
-    if op is None:
-        pytest.skip("no C++ compiler here")
-    return lambda q, k, v, tables, lens: op(q, k, v, tables, lens, HEAD_DIM**-0.5)
+        return lambda q, k, v, tables, lens: _decode_torch(q.transpose(0, 1), k, v, DecodeBatch(tables, lens, BLOCK),
+                                                           q.shape[-1] ** -0.5)
+    if not cpu_kernels.have_compiler():
+        pytest.skip("no C++ compiler on this machine")  # the only reason to skip: a failed build raises below
+    op = cpu_kernels.build_paged_decode()
+    return lambda q, k, v, tables, lens: op(q, k, v, tables, lens, q.shape[-1] ** -0.5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_decode_matches_sdpa_over_ragged_contexts(decode_fn, dtype, tolerance):
-    k_cache, v_cache = random_pool(64, dtype)
-    lens = torch.tensor([1, 15, 16, 17, 100, 200])
+def test_decode_matches_sdpa_over_ragged_contexts(decode_fn, head_dim, dtype, tolerance):
+    k_cache, v_cache = random_pool(64, head_dim, dtype)
+    lens = torch.tensor([1, 15, 16, 17, 32, 100, 200])  # block boundaries: a kernel that drops the last block fails
     width = -(-int(lens.max()) // BLOCK)
     tables = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(i))[:width] for i in range(len(lens))])
-    q = torch.randn(len(lens), HEADS, HEAD_DIM).to(dtype)
+    q = torch.randn(len(lens), HEADS, head_dim).to(dtype)
     got = decode_fn(q, k_cache, v_cache, tables, lens).float()
     want = reference_decode(q, k_cache, v_cache, tables, lens)
-    assert got.shape == (len(lens), HEADS, HEAD_DIM)
+    assert got.shape == (len(lens), HEADS, head_dim)
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.slow
+def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatch, tmp_path):
+    from engine import LLM
+
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "cpu_features_tag", lambda: "planted_failure")
+    cpu_kernels.build_paged_decode.cache_clear()
+    try:
+        if cpu_kernels.have_compiler():
+            with pytest.raises(cpu_kernels.KernelBuildError, match="failed to build"):
+                cpu_kernels.build_paged_decode()
+        with pytest.raises(cpu_kernels.KernelBuildError):
+            LLM(dtype="float32", num_kv_blocks=8, attention_backend="cpp")
+        llm = LLM(dtype="float32", num_kv_blocks=8, attention_backend="auto")
+        assert llm.engine.runner.decode_kernel is None
+    finally:
+        cpu_kernels.build_paged_decode.cache_clear()

@@ -15,7 +15,12 @@ from dashboards.build import panel_queries, render
 from dashboards.report import substitute
 from tests.serve.conftest import free_port, wait_healthy
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def prometheus_is_installed():
+    assert shutil.which("prometheus"), "Prometheus is missing: `make prometheus` installs it (never a silent skip)"
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "obs-model"
