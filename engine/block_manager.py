@@ -54,6 +54,7 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache_evictions = 0  # cached blocks reused for other content
 
     @property
     def num_blocks(self) -> int:
@@ -147,6 +148,7 @@ class BlockManager:
         return block_id
 
     def _evict(self, block: Block) -> None:
+        self.prefix_cache_evictions += 1
         if self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
         block.hash, block.key = NO_HASH, None

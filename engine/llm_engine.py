@@ -437,6 +437,7 @@ class LLMEngine:
             "kv_blocks_free": bm.num_free_blocks,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_evictions": bm.prefix_cache_evictions,
             "num_preemptions": self.scheduler.num_preemptions,
             "consecutive_failed_steps": self.consecutive_failed_steps,
             **self.counters,
