@@ -45,4 +45,7 @@ class EngineConfig(BaseModel):
         return self
 
     def resolved_num_threads(self) -> int:
-        return self.num_threads or os.cpu_count() or 1
+        """Cores this process may run on (affinity and cpusets included, unlike os.cpu_count())."""
+        if self.num_threads:
+            return self.num_threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -88,9 +88,10 @@ def test_engine_sets_torch_threads_from_its_config(num_threads):
     assert torch.get_num_threads() == num_threads
 
 
-def test_default_thread_count_is_every_core():
-    import os
+def test_default_thread_count_is_every_usable_core():
+    import subprocess
 
     from engine.config import EngineConfig
 
-    assert EngineConfig().resolved_num_threads() == os.cpu_count()
+    usable = int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)  # honours affinity
+    assert EngineConfig().resolved_num_threads() == usable

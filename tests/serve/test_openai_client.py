@@ -5,6 +5,8 @@ import time
 import openai
 import pytest
 
+from engine import SamplingParams
+
 from tests.engine.helpers import NEAR_TIE
 
 pytestmark = pytest.mark.slow
@@ -37,10 +39,11 @@ def test_models_lists_the_served_model_with_its_context(client):
 def test_chat_completion_with_usage_matching_the_tokenizer(client, offline):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
-    expected_prompt = len(offline.engine.tokenize(messages))
-    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
-    assert r.usage.prompt_tokens == expected_prompt
-    assert r.usage.completion_tokens == len(offline.engine.tokenizer.encode(r.choices[0].message.content)) + 1  # + EOS
+    (expected,) = offline.chat([messages], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop" == expected.finish_reason
+    assert r.choices[0].message.content == expected.text
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert r.usage.completion_tokens == len(expected.token_ids)  # the engine's own ids, EOS included
 
 
 def test_completion_without_model_field_and_length_finish(client):

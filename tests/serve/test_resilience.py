@@ -2,6 +2,7 @@
 import asyncio
 import json
 import logging
+import subprocess
 import time
 
 import httpx
@@ -41,6 +42,7 @@ async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth,
 
 
 async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
+    """BENCHMARKS claims no 5xx under a burst: overload is the engine's own 429, never a 503."""
     # ignore_eos: this raw (untemplated) prompt makes the model stop at once, which hid nothing but proved nothing
     body = {"prompt": "Tell me a joke.", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
@@ -51,21 +53,24 @@ async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=500)) as client:
         results = await asyncio.gather(*(one(client) for _ in range(400)))
     statuses = [s for s, _, _ in results]
-    assert set(statuses) <= {200, 429, 503}, sorted(set(statuses))
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
     assert statuses.count(429) > 0, "the burst was meant to overflow the engine queue"
     for status, retry_after, body_ in results:
         if status == 200:
             assert body_["usage"]["completion_tokens"] == 16 and body_["choices"][0]["finish_reason"] == "length"
         else:
             assert retry_after is not None and "error" in body_
-    log.warning("burst of 400: %d ok, %d 429, %d 503", statuses.count(200), statuses.count(429), statuses.count(503))
+    log.warning("burst of 400: %d ok, %d 429", statuses.count(200), statuses.count(429))
+
+
+def nproc() -> int:
+    """The usable cores, as coreutils counts them: a reference outside the code under test."""
+    return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
 
 
 def test_the_replica_steps_on_every_core_despite_rays_one_thread_default(replica_handle):
-    import os
-
     stats = replica_handle.stats.remote().result(timeout_s=10)
-    assert stats["loop_threads"] == os.cpu_count(), stats  # Ray sets OMP_NUM_THREADS=1 in every worker
+    assert stats["loop_threads"] == nproc() > 1, stats  # Ray sets OMP_NUM_THREADS=1 in every worker
 
 
 def test_zz_killed_replica_is_replaced_and_health_shows_it(base_url, auth):

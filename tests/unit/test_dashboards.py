@@ -1,6 +1,5 @@
 """The shipped dashboards are current and load through the SDK's model; Prometheus accepts the config and rules."""
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
