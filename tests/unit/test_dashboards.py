@@ -1,9 +1,11 @@
 """The shipped dashboards are current and load through the SDK's model; Prometheus accepts the config and rules."""
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from dashboards.build import OUT, panel_queries, render
@@ -39,3 +41,20 @@ def test_overview_has_every_panel_asked_for():
 def test_promtool_accepts_config_and_rules(args):
     r = subprocess.run(["promtool", *args], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_alert_fires_on_synthetic_series_and_clears():
+    r = subprocess.run(["promtool", "test", "rules", "dashboards/alerts.test.yml"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tested = set(re.findall(r"alertname: (\w+)", (ROOT / "dashboards/alerts.test.yml").read_text()))
+    rules = yaml.safe_load((ROOT / "dashboards/alerts.yml").read_text())["groups"][0]["rules"]
+    assert tested == {rule["alert"] for rule in rules}, "every alert rule needs its fire-and-clear test"
+
+
+def test_a_broken_alert_expression_fails_the_rule_tests(tmp_path):
+    rules = (ROOT / "dashboards/alerts.yml").read_text().replace("rate(ray_engine_steps_total[2m])) == 0",
+                                                                 "rate(ray_engine_steps_total[2m])) < 0")
+    (tmp_path / "alerts.yml").write_text(rules)
+    (tmp_path / "alerts.test.yml").write_text((ROOT / "dashboards/alerts.test.yml").read_text())
+    r = subprocess.run(["promtool", "test", "rules", "alerts.test.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "LLMServeEngineStalled" in r.stdout + r.stderr
