@@ -63,7 +63,7 @@ async def over_http(requests, concurrency: int, dtype: str, threads: int) -> flo
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8011})
-        args = {"dtype": dtype, "max_num_seqs": concurrency, "num_threads": threads}
+        args = {"engine": {"dtype": dtype, "max_num_seqs": concurrency, "num_threads": threads}}
         serve.run(build_app(args), name="llm", route_prefix="/")
         async with httpx.AsyncClient(base_url="http://127.0.0.1:8011", timeout=600,
                                      limits=httpx.Limits(max_connections=concurrency)) as client:

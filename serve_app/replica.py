@@ -31,11 +31,12 @@ class EngineReplica:
         # Tokenizing a long prompt takes a while: off the event loop, on one thread (a fast tokenizer is not
         # shareable across threads), so streams on this replica keep flowing meanwhile.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self.engine = AsyncLLMEngine(args.engine_config())
+        self.engine = AsyncLLMEngine(args.engine)
         self._warm_up()
         self.engine.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.engine.start()
-        self.model_info = {"max_model_len": self.engine.engine.max_model_len, "model": args.model_name}
+        self.model_info = {"max_model_len": self.engine.engine.max_model_len, "model": args.model_name,
+                           "engine": effective_engine_settings(self.engine.engine)}
         self.placement = {"replica_id": serve.get_replica_context().replica_id.unique_id,
                           "node_id": ray.get_runtime_context().get_node_id(),
                           "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
@@ -121,3 +122,21 @@ def _refusal(exc: Exception, request: dict) -> dict:
         return {"status": 429, **envelope(429, str(exc), code="overloaded")}
     log.error("admission failed for %s", request.get("request_id"), exc_info=exc)  # never crash the replica on one request
     return {"status": 500, **envelope(500, f"admission failed: {type(exc).__name__}")}
+
+
+def effective_engine_settings(engine) -> dict:
+    """What the running engine actually uses, read from its live parts rather than its config: a knob that was
+    set but never applied shows here."""
+    linear = next(m for m in engine.model.modules() if type(m).__name__ in ("Linear", "Linear4bit", "Linear8bitLt"))
+    return {
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "linear_type": type(linear).__name__,
+        "num_kv_blocks": engine.runner.num_blocks,
+        "block_size": engine.block_manager.block_size,
+        "enable_prefix_caching": engine.block_manager.enable_prefix_caching,
+        "max_num_seqs": engine.scheduler.max_num_seqs,
+        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+        "max_model_len": engine.max_model_len,
+        "decode_kernel": engine.runner.decode_kernel is not None,
+        "device": engine.device.type,
+    }

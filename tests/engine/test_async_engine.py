@@ -142,3 +142,21 @@ async def test_the_step_loop_thread_uses_the_configured_threads(engine, monkeypa
     assert outs[-1].finished
     usable = int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
     assert engine.stats()["loop_threads"] == usable
+
+
+async def test_a_stop_string_split_across_tokens_never_leaks_into_a_delta(engine):
+    free = [o async for o in engine.generate(CHAT, SamplingParams(max_tokens=40, temperature=0.0), "free-run")]
+    tokenizer, ids = engine.engine.tokenizer, free[-1].token_ids
+    # a boundary deep in the text where both neighbouring tokens carry at least three characters
+    boundary = next(k for k in range(len(ids) - 2, 4, -1)
+                    if len(tokenizer.decode(ids[k - 1:k]).strip()) >= 3 and len(tokenizer.decode(ids[k:k + 1]).strip()) >= 3)
+    head = tokenizer.decode(ids[:boundary], skip_special_tokens=True)
+    stop = head[-3:] + tokenizer.decode(ids[:boundary + 1], skip_special_tokens=True)[len(head):][:3]
+    expected = free[-1].text[: free[-1].text.index(stop)]
+    outs = [o async for o in engine.generate(CHAT, SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]), "stopped")]
+    sent = ""
+    for out in outs:
+        sent += out.delta_text
+        assert expected.startswith(sent), f"a delta showed text past the stop string {stop!r}: {sent!r}"
+    assert sent == outs[-1].text == expected and outs[-1].finish_reason == "stop"
+    assert len(outs) > 3, "the stream must have delivered several deltas before the stop"

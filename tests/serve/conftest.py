@@ -1,4 +1,5 @@
 """One local Ray cluster and one Serve app for the whole session, on loopback, torn down whatever happens."""
+import contextlib
 import os
 import socket
 import time
@@ -35,8 +36,8 @@ def serve_app():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # the default body limit (1 MiB), so a prompt over the character bound can arrive; short keep-alives and
         # body deadline, so the tests that watch them run in seconds
-        args = dict(dtype="float32", num_kv_blocks=1024, max_num_seqs=64, max_waiting=64, api_key=API_KEY,
-                    max_tokens_limit=256, request_timeout_s=60, retry_after_s=1, sse_keepalive_s=0.5, body_timeout_s=3)
+        args = dict(engine=dict(dtype="float32", num_kv_blocks=1024, max_num_seqs=64, max_waiting=64, max_tokens_limit=256),
+                    api_key=API_KEY, request_timeout_s=60, retry_after_s=1, sse_keepalive_s=0.5, body_timeout_s=3)
         serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
@@ -92,3 +93,23 @@ def replica_blocks_free_after_test(request):
             return
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def ingress_only_app(serve_app, replica_handle, name: str, **changes):
+    """A second ingress, with its own args, in front of the session's engine replica: no second model to load.
+    Yields its base URL and deletes the app afterwards."""
+    from ray import serve
+
+    from serve_app.config import AppArgs
+    from serve_app.ingress import IngressDeployment
+
+    args = AppArgs(**{**serve_app["args"], **changes})
+    ingress = serve.deployment(IngressDeployment).options(name=f"{name}-ingress", ray_actor_options={"num_cpus": 0})
+    serve.run(ingress.bind(replica_handle, args), name=name, route_prefix=f"/{name}", blocking=False)
+    try:
+        base = serve_app["base_url"] + f"/{name}"
+        wait_healthy(base, timeout=60)
+        yield base
+    finally:
+        serve.delete(name)

@@ -29,12 +29,14 @@ SHARED_PREFIX = "You are a careful assistant who answers in one short paragraph.
 
 @pytest.fixture(scope="module")
 def obs_app(serve_app):
-    """A second app with a tiny KV pool (so preemptions happen) and its own model_name (so counts are exact)."""
+    """A second app with a tiny KV pool (so preemptions happen), its own model_name (so counts are exact) and NF4
+    weights (so a non-default engine setting is shown to reach a served engine)."""
     from ray import serve
 
     from serve_app.app import build_app
 
-    args = {**serve_app["args"], "served_model_name": MODEL, "num_kv_blocks": 24, "max_num_seqs": 8}
+    engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8, "quantization": "nf4"}
+    args = {**serve_app["args"], "served_model_name": MODEL, "engine": engine}
     serve.run(build_app(args), name="obs", route_prefix="/obs", blocking=False)
     base = serve_app["base_url"] + "/obs"
     wait_healthy(base)
@@ -42,6 +44,13 @@ def obs_app(serve_app):
         yield base
     finally:
         serve.delete("obs")
+
+
+def test_the_second_app_serves_nf4_with_its_own_engine_settings(obs_app):
+    from ray import serve
+
+    effective = serve.get_deployment_handle("EngineReplica", app_name="obs").info.remote().result(timeout_s=10)["engine"]
+    assert (effective["linear_type"], effective["num_kv_blocks"], effective["max_num_seqs"]) == ("Linear4bit", 24, 8)
 
 
 @pytest.fixture(scope="module")
