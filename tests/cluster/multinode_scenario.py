@@ -13,6 +13,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import asyncio
 import json
+import signal
 import socket
 import sys
 import threading
@@ -27,6 +28,7 @@ from ray.util.state import list_actors
 from serve_app.app import build_app
 
 REPLICA_CLASS = "EngineReplica"
+DEADLINE_S = 420  # inside the test's own limit, so the cluster is always shut down here, never left running
 BODY = {"prompt": "Count from one to one hundred:", "max_tokens": 24, "ignore_eos": True}
 
 
@@ -74,7 +76,13 @@ class Load:
             await asyncio.gather(*(self._client(http) for _ in range(self.clients)))
 
 
+def _past_deadline(signum, frame):
+    raise TimeoutError(f"the scenario ran past its {DEADLINE_S} s deadline")
+
+
 def main() -> None:
+    signal.signal(signal.SIGALRM, _past_deadline)
+    signal.alarm(DEADLINE_S)
     head_args = dict(node_ip_address="127.0.0.1", num_cpus=2, num_gpus=0, resources={"head": 1}, include_dashboard=True,
                      dashboard_host="127.0.0.1", dashboard_port=free_port())
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
@@ -113,7 +121,7 @@ def scenario(workers, cluster) -> dict:
     victim = workers[0]
     removed_at = time.monotonic()
     cluster.remove_node(victim, allow_graceful=False)
-    time.sleep(30)
+    wait_until(lambda: recovered_since(load.results, removed_at) >= 16, 120, "16 requests served after the node loss")
     load.stop = True
     runner.join(180)
     loss = check_node_loss(load.results, removed_at)
@@ -121,6 +129,12 @@ def scenario(workers, cluster) -> dict:
     scale_in_s = wait_until(lambda: running_replicas() == 1, 180, "scale-in to 1 replica")
     return {"scale_out_s": scale_out_s, "scale_in_s": scale_in_s, **loss, "placement": placement,
             "requests": len(load.results)}
+
+
+def recovered_since(results: list[dict], removed_at: float) -> int:
+    """Successful requests that started after the node loss and after the last failure."""
+    last_failure = max((r["end"] for r in results if not r["ok"]), default=removed_at)
+    return sum(1 for r in list(results) if r["ok"] and r["start"] > max(removed_at, last_failure))
 
 
 def check_placement(head_id: str, worker_ids: set[str]) -> list[dict]:

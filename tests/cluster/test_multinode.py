@@ -1,6 +1,8 @@
 """Placement, autoscaling and node loss on a local multi-node Ray cluster (the scenario runs in its own process)."""
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,29 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_scenario(timeout_s: float) -> subprocess.CompletedProcess:
+    """The scenario in a session of its own: Ray's daemons stay in its process group, so a scenario past the
+    deadline is killed with everything it started, and no raylet outlives the test."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("multinode_scenario.py"))], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the multi-node scenario ran past {timeout_s:.0f} s and was killed with its cluster:\n{stderr[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group (normally nothing)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.timeout(600)
 def test_replica_per_gpu_scale_out_node_loss_and_scale_in():
-    env = {k: v for k, v in __import__("os").environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("multinode_scenario.py"))], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1200)
+    proc = run_scenario(timeout_s=500)  # the scenario's own deadline is 420 s; pytest's is 600 s
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-6000:]
     result = json.loads(lines[-1][len("RESULT "):])

@@ -28,7 +28,8 @@ def serve_app():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     metrics_port = free_port()
     # metrics every second instead of Ray's 10 s, so the Prometheus test does not wait on export
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": a cluster of the tests' own, even where `make serve` already runs one
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:

@@ -73,11 +73,13 @@ def test_the_replica_steps_on_every_core_despite_rays_one_thread_default(replica
     assert stats["loop_threads"] == nproc() > 1, stats  # Ray sets OMP_NUM_THREADS=1 in every worker
 
 
-def test_zz_killed_replica_is_replaced_and_health_shows_it(base_url, auth):
+def test_zz_killed_replica_is_replaced_and_health_shows_it(base_url, auth, replica_handle):
     """Runs last in this module: it kills the shared app's engine replica, with a stream in flight on it."""
     import ray
 
-    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"])
+    replica_id = replica_handle.stats.remote().result(timeout_s=10)["replica_id"]
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].endswith(f"::llm#EngineReplica#{replica_id}")]  # this app's replica, no other
     with httpx.stream("POST", base_url + "/v1/chat/completions", json={**LONG, "ignore_eos": True}, headers=auth,
                       timeout=60) as stream:
         lines = stream.iter_lines()

@@ -12,7 +12,7 @@ from tests.serve.conftest import wait_healthy
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
-MAX_TOKENS = 96
+MAX_TOKENS = 256  # with ignore_eos: long enough to be in flight when draining starts
 
 
 async def read_stream(client: httpx.AsyncClient, url: str, headers: dict, started: asyncio.Event) -> dict:
@@ -57,27 +57,37 @@ def test_under_a_route_prefix_every_route_but_health_needs_the_key(drain_app, au
 async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_ones(drain_app, auth):
     from ray import serve
 
-    base = drain_app
+    url = drain_app + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=120) as client:
-        smoke = await client.post(base + "/v1/chat/completions", headers=auth,
-                                  json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
+        smoke = await client.post(url, headers=auth, json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
         assert smoke.status_code == 200 and smoke.json()["usage"]["completion_tokens"] >= 1  # the bf16 default serves
 
         started = [asyncio.Event() for _ in range(4)]
-        streams = [asyncio.create_task(read_stream(client, base + "/v1/chat/completions", auth, s)) for s in started]
+        streams = [asyncio.create_task(read_stream(client, url, auth, s)) for s in started]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
         began = time.monotonic()
         deleting = asyncio.create_task(asyncio.to_thread(serve.delete, "drain"))
-        await asyncio.sleep(1.0)
-        refused = await client.post(base + "/v1/chat/completions", headers=auth, timeout=10,
-                                    json={"messages": [{"role": "user", "content": "late"}], "max_tokens": 4})
-        results = await asyncio.wait_for(asyncio.gather(*streams), 90)
-        await asyncio.wait_for(deleting, 90)
+        refused = await first_refusal(client, url, auth, deadline_s=60)  # draining observed, not assumed after a sleep
+        in_flight_when_refused = sum(not s.done() for s in streams)
+        results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        await asyncio.wait_for(deleting, 120)
         log.warning("shutdown drained 4 in-flight streams in %.1f s; a new request meanwhile got %d",
                     time.monotonic() - began, refused.status_code)
 
-    assert refused.status_code in (404, 503), refused.text
+    assert in_flight_when_refused == 4, "streams ended before draining began: the drain was not tested"
     for result in results:
         assert result["done"], "a stream was cut off by the shutdown"
         assert not any("error" in e for e in result["events"]), result["events"]
         assert result["events"][-1]["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+async def first_refusal(client: httpx.AsyncClient, url: str, headers: dict, deadline_s: float) -> httpx.Response:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        r = await client.post(url, headers=headers, timeout=10,
+                              json={"messages": [{"role": "user", "content": "late"}], "max_tokens": 1})
+        if r.status_code != 200:
+            assert r.status_code in (404, 503), r.text
+            return r
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no request was refused within {deadline_s} s of the shutdown")
