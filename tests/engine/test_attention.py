@@ -52,18 +52,20 @@ def test_decode_matches_sdpa_over_ragged_contexts(decode_fn, head_dim, dtype, to
 
 
 @pytest.mark.slow
-def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatch, tmp_path):
+def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatch):
+    import torch.utils.cpp_extension
+
     from engine import LLM
 
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++;\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
-    monkeypatch.setattr(cpu_kernels, "cpu_features_tag", lambda: "planted_failure")
+    def failing_build(**kwargs):
+        raise RuntimeError("Error building extension 'engine_paged_attention_cpu': planted compile error")
+
+    monkeypatch.setattr(cpu_kernels, "have_compiler", lambda: True)  # a compiler is there, and the build fails
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", failing_build)
     cpu_kernels.build_paged_decode.cache_clear()
     try:
-        if cpu_kernels.have_compiler():
-            with pytest.raises(cpu_kernels.KernelBuildError, match="failed to build"):
-                cpu_kernels.build_paged_decode()
+        with pytest.raises(cpu_kernels.KernelBuildError, match="planted compile error"):
+            cpu_kernels.build_paged_decode()
         with pytest.raises(cpu_kernels.KernelBuildError):
             LLM(dtype="float32", num_kv_blocks=8, attention_backend="cpp")
         llm = LLM(dtype="float32", num_kv_blocks=8, attention_backend="auto")

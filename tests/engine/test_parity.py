@@ -11,7 +11,7 @@ from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 TOPICS = ["the ocean", "a robot", "tea", "mountains", "prime numbers", "a lighthouse", "jazz", "winter"]
 PARAGRAPH = (
     "The history of the printing press begins in the fifteenth century, when movable type made books cheaper "

@@ -30,7 +30,7 @@ def test_no_generated_request_gets_a_server_error(serve_app, auth):
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def fuzz(case):
             case.body = short(case.body)
             case.call_and_validate(base_url=serve_app["base_url"], headers=auth, checks=[not_a_server_error])

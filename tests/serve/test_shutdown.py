@@ -12,7 +12,7 @@ from tests.serve.conftest import wait_healthy
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
-MAX_TOKENS = 256  # with ignore_eos: long enough to be in flight when draining starts
+MAX_TOKENS = 192  # with ignore_eos: long enough to be in flight when draining starts
 
 
 async def read_stream(client: httpx.AsyncClient, url: str, headers: dict, started: asyncio.Event) -> dict:
