@@ -42,7 +42,7 @@ class SamplingFields(BaseModel):
     def _text_is_unicode(cls, data: Any) -> Any:
         path = find_unencodable(data)
         if path is not None:
-            raise PydanticCustomError("unicode", "{path} is not valid Unicode (it holds a lone surrogate)", {"path": path})
+            raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)", {"path": path})
         return data
 
     model: str | None = None
