@@ -138,7 +138,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
-            self._check_text(prompt, "prompt", len(prompt))
+            self._check_length(len(prompt), "prompt")
+            self._check_unicode(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return self._tokenize_chat(prompt)
@@ -157,18 +158,21 @@ class LLMEngine:
                 raise EngineInputError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}", "messages")
             if not isinstance(message.get("content"), str):
                 raise EngineInputError(f"messages[{i}].content must be a string", "messages")
-        total_chars = sum(len(m["content"]) for m in messages)
+        self._check_length(sum(len(m["content"]) for m in messages), "messages")
         for i, message in enumerate(messages):
-            self._check_text(message["content"], f"messages[{i}].content", total_chars)
+            self._check_unicode(message["content"], f"messages[{i}].content")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _check_text(self, text: str, param: str, total_chars: int) -> None:
-        """Before tokenizing: a text that cannot fit is refused without the cost of encoding it, and text that is
-        not Unicode (a lone surrogate is valid JSON) is refused instead of failing inside the tokenizer."""
-        if total_chars > self.max_prompt_chars:
-            raise EngineInputError(f"the prompt has {total_chars} characters; no more than {self.max_prompt_chars} "
+    def _check_length(self, num_chars: int, param: str) -> None:
+        """Before tokenizing: a text that cannot fit is refused without the cost of encoding it."""
+        if num_chars > self.max_prompt_chars:
+            raise EngineInputError(f"the prompt has {num_chars} characters; no more than {self.max_prompt_chars} "
                                    f"can fit the model's context of {self.max_model_len} tokens", param)
+
+    @staticmethod
+    def _check_unicode(text: str, param: str) -> None:
+        """A lone surrogate is valid JSON but no tokenizer or encoder takes it: refused, naming the field."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -200,16 +204,12 @@ class LLMEngine:
             self._new_seqs.append(seq)
         return seq
 
-    @staticmethod
-    def _check_cache_salt(salt: str | None) -> None:
+    def _check_cache_salt(self, salt: str | None) -> None:
         if salt is None:
             return
         if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
             raise EngineInputError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
-        try:
-            salt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise EngineInputError("cache_salt is not valid Unicode", "cache_salt")
+        self._check_unicode(salt, "cache_salt")
 
     def _validated_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The one max_tokens policy: a default of the rest of the context (or default_max_tokens), and a limit
@@ -300,8 +300,9 @@ class LLMEngine:
         """Retry the step once without the sequences still in prefill (the newest admissions, where bad input
         shows first), then each of those alone; only a group that fails again is failed. Nothing was committed by
         the failed attempt (computed counts advance after sampling), so a retry recomputes the same KV slots."""
-        newest = [i for i, seq in enumerate(batch.seqs) if seq.num_output_tokens == 0]
-        older = [i for i in range(len(batch)) if i not in set(newest)]
+        newest, older = [], []
+        for i, seq in enumerate(batch.seqs):
+            (newest if seq.num_output_tokens == 0 else older).append(i)
         groups = ([older] if older else []) + [[i] for i in newest]
         outputs, failed_groups = [], []
         for group in groups:

@@ -84,7 +84,7 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
         draws = [1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0 for g in generators]
-        tokens, has_mass = inverse_cdf_tensor(weights, column(draws))
+        tokens, has_mass = inverse_cdf(weights, column(draws))
         if greedy:
             tokens[greedy] = greedy_tokens
         return _valid_or_invalid(tokens, finite & has_mass)
@@ -126,12 +126,7 @@ def _valid_or_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> list[int]:
     return torch.where(valid, tokens, INVALID_TOKEN).tolist()  # one host sync for the whole batch
 
 
-def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> list[int]:
-    tokens, has_mass = inverse_cdf_tensor(weights, draws, block)
-    return _valid_or_invalid(tokens, has_mass)
-
-
-def inverse_cdf_tensor(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """weights [n, vocab] >= 0 (any scale), draws [n, 1] in (0, 1] -> per row, the first index whose running sum
     reaches draw * total, and whether the row had a finite, positive total to draw from (ids stay in range either
     way). Two levels (block sums, then one block's running sum) instead of a cumsum over the whole vocabulary,

@@ -28,7 +28,7 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, cache_salt: str | None = None):
         self.request_id = request_id
-        self.cache_salt = cache_salt  # keeps this request's prefix-cache blocks apart from other tenants' 
+        self.cache_salt = cache_salt  # keeps this request's prefix-cache blocks apart from other tenants'
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

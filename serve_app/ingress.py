@@ -68,7 +68,7 @@ class Ingress:
 
     async def _info(self) -> dict:
         if self._model_info is None:
-            self._model_info = await self._call(asyncio.wait_for(self.engine.info.remote(), CONTROL_TIMEOUT_S))
+            self._model_info = await self._call(self.engine.info.remote(), CONTROL_TIMEOUT_S)
         return self._model_info
 
     async def respond(self, body: SamplingFields, prompt, chat: bool, request: Request):
@@ -77,7 +77,7 @@ class Ingress:
                               "model", "model_not_found")
         request_id = request.state.request_id
         job = {"request_id": request_id, "prompt": prompt, "params": _sampling_params(body), "cache_salt": body.cache_salt}
-        stream, admitted = await self._call(self._admit(job))
+        stream, admitted = await self._call(self._admit(job), self.args.request_timeout_s)
         if "error" in admitted:
             raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
                               admitted["error"]["code"], self.args.retry_after_s if admitted["status"] == 429 else None)
@@ -87,7 +87,7 @@ class Ingress:
             events = self._sse(stream, request_id, created, chat, admitted["prompt_tokens"], include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:  # a replica that dies mid-generation surfaces here: a 503 in the envelope, like any handle failure
-            text, tokens, finish_reason = await self._call(asyncio.wait_for(_collect(stream), self.args.request_timeout_s))
+            text, tokens, finish_reason = await self._call(_collect(stream), self.args.request_timeout_s)
         except BaseException:
             stream.cancel()
             raise
@@ -134,14 +134,15 @@ class Ingress:
             stream.cancel()
         yield "data: [DONE]\n\n"
 
-    async def _call(self, awaitable):
-        """Await a handle call, turning Serve's failures into OpenAI errors."""
+    async def _call(self, awaitable, timeout_s: float):
+        """Await a handle call within `timeout_s`, turning Serve's failures into OpenAI errors; a timeout's message
+        names the limit that was waited for."""
         try:
-            return await awaitable
+            return await asyncio.wait_for(awaitable, timeout_s)
         except BackPressureError:
             raise OpenAIError(429, "server overloaded, retry later", code="overloaded", retry_after_s=self.args.retry_after_s)
         except asyncio.TimeoutError:
-            raise OpenAIError(504, f"request timed out after {self.args.request_timeout_s:g} s", code="timeout")
+            raise OpenAIError(504, f"request timed out after {timeout_s:g} s", code="timeout")
         except OpenAIError:
             raise
         except Exception as exc:

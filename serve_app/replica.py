@@ -95,7 +95,7 @@ class EngineReplica:
             await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), **self.placement, "engine_running": self.engine.is_running, "time": time.time(),
+        return {**self.engine.stats(), **self.placement, "time": time.time(),
                 "health_problem": self.engine.health_problem(),
                 "metrics_share_of_step": self.engine.engine.metrics_share_of_step}
 

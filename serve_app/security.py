@@ -13,7 +13,7 @@ def route_path(scope: Scope) -> str:
     """The path as the app's routes see it. Under a Serve route_prefix the ASGI path still carries the prefix
     (it is in root_path too), so a check on the raw path would miss every route of a prefixed app."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] or "/" if root and path.startswith(root) else path
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
 
 
 def needs_key(scope: Scope) -> bool:

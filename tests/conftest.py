@@ -3,12 +3,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing local model fails fast instead of hanging on the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import subprocess
 import time
 import weakref
 
 import pytest
 
 LIVE_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def nproc() -> int:
+    """The usable cores as coreutils counts them (affinity included): a reference outside the code under test."""
+    return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -136,12 +136,11 @@ async def test_a_transient_step_failure_is_retried_and_a_persistent_one_fails_on
 
 async def test_the_step_loop_thread_uses_the_configured_threads(engine, monkeypatch):
     """OpenMP thread counts are per OS thread and Ray sets OMP_NUM_THREADS=1: the loop thread must claim its own."""
-    import subprocess
+    from tests.conftest import nproc
 
     outs = [o async for o in engine.generate(CHAT, SamplingParams(max_tokens=2), "threads-1")]
     assert outs[-1].finished
-    usable = int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
-    assert engine.stats()["loop_threads"] == usable
+    assert engine.stats()["loop_threads"] == nproc()
 
 
 async def test_a_stop_string_split_across_tokens_never_leaks_into_a_delta(engine):

@@ -89,9 +89,7 @@ def test_engine_sets_torch_threads_from_its_config(num_threads):
 
 
 def test_default_thread_count_is_every_usable_core():
-    import subprocess
-
     from engine.config import EngineConfig
+    from tests.conftest import nproc
 
-    usable = int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)  # honours affinity
-    assert EngineConfig().resolved_num_threads() == usable
+    assert EngineConfig().resolved_num_threads() == nproc()

@@ -2,12 +2,12 @@
 import asyncio
 import json
 import logging
-import subprocess
 import time
 
 import httpx
 import pytest
 
+from tests.conftest import nproc
 from tests.serve.conftest import wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -61,11 +61,6 @@ async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
         else:
             assert retry_after is not None and "error" in body_
     log.warning("burst of 400: %d ok, %d 429", statuses.count(200), statuses.count(429))
-
-
-def nproc() -> int:
-    """The usable cores, as coreutils counts them: a reference outside the code under test."""
-    return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
 
 
 def test_the_replica_steps_on_every_core_despite_rays_one_thread_default(replica_handle):

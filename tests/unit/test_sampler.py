@@ -71,13 +71,14 @@ def test_draws_follow_the_softmax_and_mixed_batches_keep_each_rows_knobs():
 
 def test_the_two_level_inverse_cdf_lands_on_the_token_whose_mass_holds_the_draw():
     weights = torch.tensor([[0.0, 1, 0, 0, 0, 0, 2, 0, 0, 1]])  # blocks of 4, then a tail of 2; total 4
-    picks = [inverse_cdf(weights, torch.tensor([[u]]), block=4)[0] for u in (1e-6, 0.25, 0.26, 0.75, 0.76, 1.0)]
+    picks = [inverse_cdf(weights, torch.tensor([[u]]), block=4)[0].item() for u in (1e-6, 0.25, 0.26, 0.75, 0.76, 1.0)]
     assert picks == [1, 1, 6, 6, 9, 9]
     gen = torch.Generator().manual_seed(0)
     weights = torch.rand(64, 1000, generator=gen, dtype=torch.float64) * (torch.rand(64, 1000, generator=gen) > 0.7)
     draws = 1.0 - torch.rand(64, 1, generator=gen, dtype=torch.float64)
     reference = torch.searchsorted(weights.cumsum(-1), draws * weights.sum(-1, keepdim=True)).squeeze(1).tolist()
-    assert inverse_cdf(weights, draws, block=64) == reference
+    tokens, has_mass = inverse_cdf(weights, draws, block=64)
+    assert tokens.tolist() == reference and bool(has_mass.all())
     assert all(weights[row, token] > 0 for row, token in enumerate(reference))
 
 
