@@ -40,7 +40,7 @@ test-fast: model
 	$(PY) -m pytest -q -m "not slow"
 
 bench: model
-	$(PY) -m engine.bench $(ARGS)
+	$(PY) benchmarks/bench.py $(ARGS)
 
 # vLLM's CPU build pins other versions, so it lives in its own venv; torchvision & co. must go or it fails to import.
 $(PEERS)/.installed:
@@ -51,7 +51,7 @@ $(PEERS)/.installed:
 	touch $@
 
 bench-peers: model $(PEERS)/.installed
-	$(PY) -m engine.bench --vllm-python $(PEERS)/bin/python $(ARGS)
+	$(PY) benchmarks/bench.py --vllm-python $(PEERS)/bin/python $(ARGS)
 
 # Prometheus from Debian (Grafana is not installable here: the dashboards ship as provisioned JSON)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

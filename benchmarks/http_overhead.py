@@ -17,7 +17,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from engine import AsyncLLMEngine, SamplingParams
-from engine.workload import chat_workload
+from workload import chat_workload  # the sibling script; run as python benchmarks/http_overhead.py
 
 app = typer.Typer(add_completion=False)
 console = Console()

@@ -16,6 +16,8 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     quantization: Literal["nf4", "int8"] | None = None
     device: str = "auto"
+    model_impl: Literal["auto", "native", "hf"] = Field(
+        default="auto", description="the engine's own Llama-family model where it fits the checkpoint (auto), or transformers' code")
     num_threads: int | None = Field(default=None, ge=1, description="torch threads; default: all cores of the node")
 
     block_size: int = Field(default=16, ge=1)

@@ -11,7 +11,6 @@ from typing import Any, Union
 import torch
 from tqdm.auto import tqdm
 
-from engine.attention import register as register_paged_attention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_kernels import build_paged_decode, paged_decode_op
@@ -60,11 +59,11 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(config, self.device, self.dtype, register_paged_attention())
+        self.model = load_model(config, self.device, self.dtype)
         self.tokenizer = load_tokenizer(config)  # callers' threads: encoding
         self.detokenizer_tokenizer = load_tokenizer(config)  # step thread: fast tokenizers are not shareable across threads
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.model.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
         self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
@@ -80,8 +79,8 @@ class LLMEngine:
         self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
         self.consecutive_failed_steps = 0  # steps in a row in which no request could run
         self.step_started_at: float | None = None  # monotonic; None between steps
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens", config.model, self.device, self.dtype,
-                 self.runner.num_blocks, config.block_size)
+        log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
+                 self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype, self.runner.num_blocks, config.block_size)
 
     # -- set-up ------------------------------------------------------------------------------------
 

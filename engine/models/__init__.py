@@ -1,0 +1,84 @@
+"""Model loading: the native Llama-family implementation where the checkpoint fits it, transformers' modeling
+code (`hf.py`) for everything else, chosen by `config.architectures` unless `EngineConfig.model_impl` says."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from transformers import AutoConfig, GenerationConfig
+
+from engine.config import EngineConfig
+from engine.layers.rotary import STATIC_ROPE_TYPES, rope_type
+from engine.models.hf import HFCausalLM, load_hf_model
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, cpu_has_bf16, embedded_checkpoint,
+                                  embedded_gguf_path, load_tokenizer, model_max_len, quantization_config, resolve_device,
+                                  resolve_dtype, resolve_model_path)
+
+log = logging.getLogger(__name__)
+
+NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM}
+Model = LlamaForCausalLM | HFCausalLM
+
+__all__ = ["load_model", "Model", "NATIVE", "native_unsupported", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
+           "embedded_gguf_path", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
+
+
+def native_unsupported(hf_config, config: EngineConfig) -> str | None:
+    """Why the native path cannot run this model, or None where it can."""
+    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if architecture not in NATIVE:
+        return f"no native model for {architecture}"
+    if config.quantization is not None:
+        return f"{config.quantization} weights run through bitsandbytes' modules"
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        return f"activation {hf_config.hidden_act}"
+    if rope_type(hf_config) not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type(hf_config)}"
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types) or (
+            hf_config.model_type == "mistral" and getattr(hf_config, "sliding_window", None)):
+        return "sliding-window attention"
+    return None
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Model:
+    path = resolve_model_path(config.model)
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
+    if reason is None:
+        model = load_native(path, hf_config, config, device, dtype)
+    elif config.model_impl == "native":
+        raise ValueError(f"model_impl native cannot run {config.model}: {reason}")
+    else:
+        log.info("using transformers' modeling code for %s (%s)", config.model, reason)
+        model = load_hf_model(path, dtype, device, quantization_config(config.quantization, dtype), config.trust_remote_code)
+    model.generation_config = _generation_config(path)
+    return model
+
+
+def load_native(path: str, hf_config, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    max_position = min(config.max_model_len or model_max_len(hf_config), model_max_len(hf_config))
+    with _default_dtype(dtype), torch.device(device):
+        model = NATIVE[hf_config.architectures[0]](hf_config, max_position)
+    model.load_weights(checkpoint_tensors(checkpoint_dir(path)))
+    model.pack()
+    return model.eval()
+
+
+def _generation_config(path: str) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # the checkpoint has none
+        return None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,65 @@
+"""The fallback for every architecture without a native model: transformers' own modeling code, with the engine's
+paged attention registered into its attention interface, behind the same forward as the native models."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from engine.layers.attention import AttentionMetadata, paged_attention
+
+ATTN_IMPLEMENTATION = "paged"
+
+
+def hf_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged_metadata=None, **_):
+    """transformers' call: query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None)."""
+    if paged_metadata is None:
+        raise RuntimeError("paged attention was called without paged_metadata: run the model through ModelRunner")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          module.layer_idx, paged_metadata, scaling)
+    return out.unsqueeze(0), None
+
+
+def no_mask(*args, **kwargs):
+    """Causality and sequence boundaries come from AttentionMetadata, so transformers builds no mask."""
+    return None
+
+
+def register() -> str:
+    # the mask function must be registered under the same name, or transformers passes None and causality is lost
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_paged_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
+    return ATTN_IMPLEMENTATION
+
+
+class HFCausalLM(nn.Module):
+    impl = "hf"
+
+    def __init__(self, hf_model: PreTrainedModel):
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
+        return self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), logits_to_keep=logits_indices,
+                       use_cache=False, paged_metadata=meta).logits[0]
+
+    def weight_bytes(self) -> int:
+        return self.hf.get_memory_footprint()
+
+
+def load_hf_model(path: str, dtype: torch.dtype, device: torch.device, quantization_config, trust_remote_code: bool) -> HFCausalLM:
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        quantization_config=quantization_config,
+        device_map={"": device} if quantization_config is not None else None,
+        attn_implementation=register(),
+        trust_remote_code=trust_remote_code,
+    )
+    if quantization_config is None:
+        model.to(device)
+    return HFCausalLM(model.eval())

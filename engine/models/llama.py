@@ -1,0 +1,142 @@
+"""The Llama family (Llama, SmolLM2, Qwen2/2.5, Mistral without a sliding window) on the engine's own layers:
+merged q/k/v and gate/up projections, RMSNorm with the residual add fused, a rotary table, paged attention, and
+logits only where a token is sampled. The layout follows nano-vllm's `models/qwen3.py`; the math follows
+transformers' `modeling_llama.py` / `modeling_qwen2.py`, checked against them in fp32 by `tests/engine/test_parity.py`.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.layers.activation import silu_and_mul
+from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.linear import Linear, MergedLinear
+from engine.layers.logits import LMHead
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+# checkpoint name part -> (our merged module, shard)
+MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
+        qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.rotary = rotary
+        self.scaling = self.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary(positions, q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim))
+        out = paged_attention(q, k, v.view(tokens, self.kv_heads, self.head_dim), self.layer, meta, self.scaling)
+        return self.o_proj(out.view(tokens, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, hidden, residual, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, max_position: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    impl = "native"
+
+    def __init__(self, cfg, max_position: int):
+        super().__init__()
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.model = LlamaModel(cfg, max_position)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
+        """Flat [T] token ids and positions -> logits [len(logits_indices), vocab]."""
+        return self.lm_head(self.model(input_ids, positions, meta), logits_indices)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint (HF names) -> this model; every parameter must be loaded exactly once, or it raises."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue  # some checkpoints store inv_freq; ours is computed from the config
+            module_path, _, param = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in MERGED:
+                merged, shard = MERGED[leaf]
+                self.get_submodule(f"{parent}.{merged}").load_shard(shard, param, tensor)
+                loaded.add(f"{parent}.{merged}.{param}")
+            elif name in params:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+            else:
+                raise ValueError(f"checkpoint tensor {name} has no place in the native {type(self).__name__}")
+        if "lm_head.weight" not in loaded and self.config.tie_word_embeddings:
+            self.lm_head.weight.data.copy_(self.model.embed_tokens.weight.data)
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint has no weights for {missing[:4]} ({len(missing)} missing)")
+
+    def pack(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+
+    def weight_bytes(self) -> int:
+        """Resident weight bytes, packed copies included (the tied LM head is a second, packed copy)."""
+        linear = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear))
+        other = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if not _is_linear_param(self, n))
+        return linear + other
+
+
+def _is_linear_param(model: nn.Module, name: str) -> bool:
+    return isinstance(model.get_submodule(name.rpartition(".")[0]), Linear)
