@@ -6,6 +6,7 @@
 #include <cmath>
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -106,6 +107,105 @@ static void decode_impl(const scalar_t* q, const scalar_t* k_cache, const scalar
   });
 }
 
+#if defined(__AVX512F__)
+// 16 values widened to float, from any pool dtype.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// v[t] holds 16 partial sums of key t's score; returns the 16 scores, lane t = the sum of v[t]. A transposing
+// tree of 15 adds and 30 shuffles, where one horizontal reduction per key costs about 8 dependent steps each.
+static inline __m512 transpose_reduce16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the four keys 4i..4i+3, each summed over that lane
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // then across the four 128-bit lanes, two at a time
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// head_dim a multiple of 16, fixed at compile time: each K and V row is widened once, in registers, and shared by
+// the query heads of its group; scores come 16 keys at a time.
+template <typename scalar_t, int64_t kHeadDim>
+static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
+                          const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                          int64_t, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
+  constexpr int64_t kVecs = kHeadDim / 16;
+  const int64_t group = heads / kv_heads;
+  const int64_t head_stride = num_blocks * block_size * kHeadDim;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(group * kVecs), acc(group * kVecs), partial(group * 16);
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kvh = task % kv_heads, len = context_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      const scalar_t* q_group = q + (b * heads + kvh * group) * kHeadDim;
+      for (int64_t i = 0; i < group * kVecs; ++i) qv[i] = _mm512_mul_ps(load16(q_group + i * 16), _mm512_set1_ps(scale));
+      const int64_t padded = (len + 15) / 16 * 16;
+      scores.resize(group * padded);
+      const scalar_t* k_head = k_cache + kvh * head_stride;
+      const scalar_t* v_head = v_cache + kvh * head_stride;
+      auto row_at = [&](const scalar_t* head, int64_t t) {
+        return head + (table[t / block_size] * block_size + t % block_size) * kHeadDim;
+      };
+      for (int64_t first = 0; first < len; first += 16) {
+        for (int64_t j = 0; j < 16; ++j) {
+          if (first + j >= len) {
+            for (int64_t g = 0; g < group; ++g) partial[g * 16 + j] = _mm512_setzero_ps();
+            continue;
+          }
+          const scalar_t* kp = row_at(k_head, first + j);
+          __m512 k[kVecs];
+          for (int64_t i = 0; i < kVecs; ++i) k[i] = load16(kp + i * 16);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 sum = _mm512_mul_ps(qv[g * kVecs], k[0]);
+            for (int64_t i = 1; i < kVecs; ++i) sum = _mm512_fmadd_ps(qv[g * kVecs + i], k[i], sum);
+            partial[g * 16 + j] = sum;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(scores.data() + g * padded + first, transpose_reduce16(&partial[g * 16]));
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * padded;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, s[t]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) { s[t] = std::exp(s[t] - peak); total += s[t]; }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* vp = row_at(v_head, t);
+        __m512 v[kVecs];
+        for (int64_t i = 0; i < kVecs; ++i) v[i] = load16(vp + i * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+          for (int64_t i = 0; i < kVecs; ++i) acc[g * kVecs + i] = _mm512_fmadd_ps(p, v[i], acc[g * kVecs + i]);
+        }
+      }
+      scalar_t* o = out + (b * heads + kvh * group) * kHeadDim;
+      alignas(64) float lanes[16];
+      for (int64_t i = 0; i < group * kVecs; ++i) {
+        _mm512_store_ps(lanes, acc[i]);
+        for (int64_t d = 0; d < 16; ++d) o[i * 16 + d] = static_cast<scalar_t>(lanes[d]);
+      }
+    }
+  });
+}
+#endif
+
 // query [B, heads, D]; caches [kv_heads, num_blocks, block_size, D]; block_tables [B, max_blocks]; context_lens [B]
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale) {
@@ -119,12 +219,20 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  pybind11::gil_scoped_release no_gil;  // other Python threads (the replica's event loop) run meanwhile
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
              lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
              tables.size(1), static_cast<float>(scale));
     };
+#if defined(__AVX512F__)
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (head_dim == 64) return run(decode_avx512<scalar_t, 64>);
+      if (head_dim == 80) return run(decode_avx512<scalar_t, 80>);
+      if (head_dim == 128) return run(decode_avx512<scalar_t, 128>);
+    }
+#endif
     if (head_dim == 64) run(decode_impl<scalar_t, 64>);
     else if (head_dim == 128) run(decode_impl<scalar_t, 128>);
     else run(decode_impl<scalar_t, 0>);

@@ -15,7 +15,7 @@ from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.logits import LMHead
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 # checkpoint name part -> (our merged module, shard)
 MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -27,7 +27,7 @@ def head_dim_of(cfg) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg, layer: int):
         super().__init__()
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
@@ -35,13 +35,13 @@ class Attention(nn.Module):
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
-        self.rotary = rotary
         self.scaling = self.head_dim**-0.5
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(positions, q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim))
+        q = apply_rotary(q.view(tokens, self.heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(tokens, self.kv_heads, self.head_dim), *rope)
         out = paged_attention(q, k, v.view(tokens, self.kv_heads, self.head_dim), self.layer, meta, self.scaling)
         return self.o_proj(out.view(tokens, self.heads * self.head_dim))
 
@@ -58,16 +58,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rotary)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, hidden, residual, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rope, hidden, residual, meta) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -76,14 +76,15 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, max_position: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
 
 

@@ -29,7 +29,7 @@ def reference_decode(q, k_cache, v_cache, tables, lens):
 @pytest.fixture(params=["torch", "cpp"])
 def decode_fn(request):
     if request.param == "torch":
-        return lambda q, k, v, tables, lens: _decode_torch(q.transpose(0, 1), k, v, DecodeBatch(tables, lens, BLOCK),
+        return lambda q, k, v, tables, lens: _decode_torch(q.transpose(0, 1), k, v, DecodeBatch(tables, lens, k.shape[2]),
                                                            q.shape[-1] ** -0.5)
     if not cpu_kernels.have_compiler():
         pytest.skip("no C++ compiler on this machine")  # the only reason to skip: a failed build raises below
@@ -72,3 +72,20 @@ def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatc
         assert llm.engine.runner.decode_kernel is None
     finally:
         cpu_kernels.build_paged_decode.cache_clear()
+
+
+@pytest.mark.parametrize("block_size,heads,kv_heads", [(8, 4, 4), (32, 8, 1), (16, 6, 2)])
+def test_decode_at_other_block_sizes_and_head_groups(decode_fn, block_size, heads, kv_heads):
+    """The kernel walks keys 16 at a time across block boundaries of any size, for any query-head group."""
+    g = torch.Generator().manual_seed(block_size)
+    k_cache, v_cache = (torch.randn(kv_heads, 48, block_size, 64, generator=g) for _ in range(2))
+    lens = torch.tensor([1, 7, 8, 9, 33, 150])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(48, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, 64, generator=g)
+    got = decode_fn(q, k_cache, v_cache, tables, lens)
+    for b, n in enumerate(lens.tolist()):
+        k = k_cache[:, tables[b]].reshape(kv_heads, -1, 64)[:, :n]
+        v = v_cache[:, tables[b]].reshape(kv_heads, -1, 64)[:, :n]
+        want = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)

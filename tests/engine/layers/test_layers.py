@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from engine.layers.linear import Linear, MergedLinear, can_pack
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -59,7 +59,8 @@ def test_rotary_table_equals_hf_rotary(rope_parameters):
     positions = torch.tensor([0, 1, 5, 63, 64, 300, 511])
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(len(positions), 2, 64, generator=g), torch.randn(len(positions), 1, 64, generator=g)
-    ours = RotaryEmbedding(config, 64, 512)(positions, q, k)
+    cos_sin = RotaryEmbedding(config, 64, 512)(positions, torch.float32)
+    ours = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
     expected = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     for got, want in zip(ours, expected):
