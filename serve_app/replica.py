@@ -130,7 +130,9 @@ def effective_engine_settings(engine) -> dict:
     linear = next(m for m in engine.model.modules() if type(m).__name__ in ("Linear", "Linear4bit", "Linear8bitLt"))
     return {
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "model_impl": engine.model.impl,
         "linear_type": type(linear).__name__,
+        "packed_weights": getattr(linear, "packed", None) is not None,
         "num_kv_blocks": engine.runner.num_blocks,
         "block_size": engine.block_manager.block_size,
         "enable_prefix_caching": engine.block_manager.enable_prefix_caching,

@@ -50,7 +50,8 @@ def test_the_second_app_serves_nf4_with_its_own_engine_settings(obs_app):
     from ray import serve
 
     effective = serve.get_deployment_handle("EngineReplica", app_name="obs").info.remote().result(timeout_s=10)["engine"]
-    assert (effective["linear_type"], effective["num_kv_blocks"], effective["max_num_seqs"]) == ("Linear4bit", 24, 8)
+    assert (effective["model_impl"], effective["linear_type"], effective["num_kv_blocks"], effective["max_num_seqs"]) == \
+        ("hf", "Linear4bit", 24, 8)
 
 
 @pytest.fixture(scope="module")
