@@ -134,6 +134,25 @@ static inline __m512 transpose_reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Element offsets of a sequence's rows in the pool, in order, through its block table.
+struct BlockWalk {
+  const int64_t* table;
+  int64_t block_size, row_elems, offset = 0, block = 0;
+  BlockWalk(const int64_t* t, int64_t bs, int64_t re) : table(t), block_size(bs), row_elems(re) {}
+  int64_t next() {
+    if (offset == block_size) { offset = 0; ++block; }
+    return (table[block] * block_size + offset++) * row_elems;
+  }
+};
+
+// Ask for a row's cache lines ahead of use: blocks are 2 KB runs scattered over a cold pool, where the hardware
+// prefetcher barely helps (measured: 9.7 GB/s of a 43.6 GB/s read bandwidth without this).
+template <int64_t kRowBytes>
+static inline void prefetch_row(const void* row) {
+  for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+constexpr int64_t kPrefetchRows = 32;  // 16: 33.0 ms, 32: 27.3 ms, 64: 28.4 ms for 30 cold layers
+
 // head_dim a multiple of 16, fixed at compile time: each K and V row is widened once, in registers, and shared by
 // the query heads of its group; scores come 16 keys at a time.
 template <typename scalar_t, int64_t kHeadDim>
@@ -155,16 +174,17 @@ static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scal
       scores.resize(group * padded);
       const scalar_t* k_head = k_cache + kvh * head_stride;
       const scalar_t* v_head = v_cache + kvh * head_stride;
-      auto row_at = [&](const scalar_t* head, int64_t t) {
-        return head + (table[t / block_size] * block_size + t % block_size) * kHeadDim;
-      };
+      constexpr int64_t kRowBytes = kHeadDim * sizeof(scalar_t);
+      BlockWalk k_rows(table, block_size, kHeadDim), k_ahead = k_rows;  // no division per key: walks step through the table
+      for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row<kRowBytes>(k_head + k_ahead.next());
       for (int64_t first = 0; first < len; first += 16) {
         for (int64_t j = 0; j < 16; ++j) {
           if (first + j >= len) {
             for (int64_t g = 0; g < group; ++g) partial[g * 16 + j] = _mm512_setzero_ps();
             continue;
           }
-          const scalar_t* kp = row_at(k_head, first + j);
+          if (first + j + kPrefetchRows < len) prefetch_row<kRowBytes>(k_head + k_ahead.next());
+          const scalar_t* kp = k_head + k_rows.next();
           __m512 k[kVecs];
           for (int64_t i = 0; i < kVecs; ++i) k[i] = load16(kp + i * 16);
           for (int64_t g = 0; g < group; ++g) {
@@ -175,6 +195,8 @@ static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scal
         }
         for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(scores.data() + g * padded + first, transpose_reduce16(&partial[g * 16]));
       }
+      BlockWalk v_rows(table, block_size, kHeadDim), v_ahead = v_rows;
+      for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row<kRowBytes>(v_head + v_ahead.next());
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * padded;
         float peak = -std::numeric_limits<float>::infinity();
@@ -187,7 +209,8 @@ static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scal
       }
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* vp = row_at(v_head, t);
+        if (t + kPrefetchRows < len) prefetch_row<kRowBytes>(v_head + v_ahead.next());
+        const scalar_t* vp = v_head + v_rows.next();
         __m512 v[kVecs];
         for (int64_t i = 0; i < kVecs; ++i) v[i] = load16(vp + i * 16);
         for (int64_t g = 0; g < group; ++g) {
