@@ -64,7 +64,7 @@ def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int,
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests)}
 
 
-def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, threads: int) -> list[dict]:
+def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, threads: int, dtype: str) -> list[dict]:
     """vLLM's CPU build in its own virtualenv, as a subprocess on the same prompts (tokenized here)."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
     def prompt_ids(r: Request) -> list[int]:
@@ -77,7 +77,7 @@ def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, 
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
     script = Path(__file__).resolve().parent / "vllm_peer.py"
-    proc = subprocess.run([str(python), str(script), resolve_model_path(model), f.name, str(runs)],
+    proc = subprocess.run([str(python), str(script), resolve_model_path(model), f.name, str(runs), dtype],
                           env=env, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -132,7 +132,7 @@ def main(
     if vllm_python is not None:
         top = max(thread_counts)
         console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
-        results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top))
+        results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top, dtype))
     report(results, requests, dict(model=model, dtype=dtype, runs=runs, cpu_flags=cpu_flags(), num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens), out_dir)

@@ -1,6 +1,6 @@
 """Runs inside .venv-peers (vLLM's CPU build): the bench workload, timed, as one JSON line on stdout.
 
-Usage: python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD_JSON RUNS
+Usage: python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD_JSON RUNS DTYPE
 The workload is a list of {"prompt_token_ids": [...], "max_tokens": n}, tokenized by our side so prompts are identical.
 """
 import json
@@ -10,9 +10,9 @@ import time
 from vllm import LLM, SamplingParams
 
 
-def main(model_dir: str, workload_path: str, runs: int) -> None:
+def main(model_dir: str, workload_path: str, runs: int, dtype: str) -> None:
     workload = json.loads(open(workload_path).read())
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=True)
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": w["prompt_token_ids"]} for w in workload]
     params = [SamplingParams(max_tokens=w["max_tokens"], temperature=0.0, ignore_eos=True) for w in workload]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -27,4 +27,4 @@ def main(model_dir: str, workload_path: str, runs: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
