@@ -80,7 +80,8 @@ class LLMEngine:
         self.consecutive_failed_steps = 0  # steps in a row in which no request could run
         self.step_started_at: float | None = None  # monotonic; None between steps
         log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
-                 self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype, self.runner.num_blocks, config.block_size)
+                 self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype, self.runner.num_blocks,
+                 config.block_size)
 
     # -- set-up ------------------------------------------------------------------------------------
 

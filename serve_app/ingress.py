@@ -25,7 +25,8 @@ from serve_app.security import authorized, exposure_problem, needs_key
 log = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 2.0
 CONTROL_TIMEOUT_S = 10.0  # model info and other short calls to the replica
-ADMISSION_ATTEMPTS = 3
+ADMISSION_ATTEMPTS = 6  # with a backoff of 0.05 s doubling: 1.55 s for Serve to drop a dead node's replicas
+ADMISSION_BACKOFF_S = 0.05
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see bytes
 
@@ -96,7 +97,9 @@ class Ingress:
 
     async def _admit(self, job: dict):
         """Start a generation. A replica found dead at admission (its node just went) is retried on another one:
-        nothing was generated or sent yet, so the retry is invisible to the client."""
+        nothing was generated or sent yet, so the retry is invisible to the client. The router may pick a dead
+        replica again until Serve's replica set catches up, so the attempts back off (immediate retries ran out
+        when half the replicas had gone: a request sent after a node loss got a 503)."""
         for attempt in range(1, ADMISSION_ATTEMPTS + 1):
             stream = self.engine.options(stream=True).generate.remote(job)
             try:
@@ -106,6 +109,7 @@ class Ingress:
                 if attempt == ADMISSION_ATTEMPTS:
                     raise
                 log.warning("engine replica gone at admission (%s); retrying elsewhere", type(exc).__name__)
+                await asyncio.sleep(ADMISSION_BACKOFF_S * 2 ** (attempt - 1))
             except BaseException:
                 stream.cancel()
                 raise
