@@ -41,7 +41,7 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     @property
-    def weight_bytes(self) -> int:
+    def resident_bytes(self) -> int:
         tensors = [self.packed if self.packed is not None else self.weight] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Resident weight bytes, packed copies included (the tied LM head is a second, packed copy)."""
-        linear = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear))
+        linear = sum(m.resident_bytes for m in self.modules() if isinstance(m, Linear))
         other = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if not _is_linear_param(self, n))
         return linear + other
 

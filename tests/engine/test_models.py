@@ -49,6 +49,16 @@ def test_native_model_is_refused_where_it_cannot_run(tiny_gpt2):
         LLM(model=str(tiny_gpt2), model_impl="native", num_kv_blocks=16)
 
 
+def test_resident_weight_bytes_are_the_checkpoint_plus_the_packed_tied_head(llm32):
+    """fp32: every checkpoint tensor once, plus the LM head's own packed copy of the tied embedding."""
+    from engine.models.loader import checkpoint_dir, checkpoint_tensors, resolve_model_path
+
+    cfg = llm32.engine.model.config
+    assert cfg.tie_word_embeddings
+    stored = sum(t.numel() for _, t in checkpoint_tensors(checkpoint_dir(resolve_model_path("SmolLM2-135M-Instruct"))))
+    assert llm32.engine.model.weight_bytes() == 4 * (stored + cfg.vocab_size * cfg.hidden_size)
+
+
 def test_llama_family_runs_native_by_default_and_hf_when_asked(llm32, tokenizer):
     """The embedded model is a Llama: native unless model_impl says hf, and the fallback still matches HF."""
     assert llm32.engine.model.impl == "native"
