@@ -25,7 +25,7 @@ from serve_app.security import authorized, exposure_problem, needs_key
 log = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 2.0
 CONTROL_TIMEOUT_S = 10.0  # model info and other short calls to the replica
-ADMISSION_ATTEMPTS = 6  # with a backoff of 0.05 s doubling: 1.55 s for Serve to drop a dead node's replicas
+ADMISSION_ATTEMPTS = 6  # with a backoff of 0.05 s doubling: 1.55 s for Serve to drop a lost node's replicas
 ADMISSION_BACKOFF_S = 0.05
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see bytes
@@ -78,41 +78,57 @@ class Ingress:
                               "model", "model_not_found")
         request_id = request.state.request_id
         job = {"request_id": request_id, "prompt": prompt, "params": _sampling_params(body), "cache_salt": body.cache_salt}
-        stream, admitted = await self._call(self._admit(job), self.args.request_timeout_s)
-        if "error" in admitted:
-            raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
-                              admitted["error"]["code"], self.args.retry_after_s if admitted["status"] == 429 else None)
         created = int(time.time())
         if body.stream:
+            stream, admitted = await self._call(self._retrying_lost_replicas(lambda: self._admit(job)),
+                                                self.args.request_timeout_s)
+            self._raise_if_refused(admitted)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._sse(stream, request_id, created, chat, admitted["prompt_tokens"], include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:  # a replica that dies mid-generation surfaces here: a 503 in the envelope, like any handle failure
-            text, tokens, finish_reason = await self._call(_collect(stream), self.args.request_timeout_s)
-        except BaseException:
-            stream.cancel()
-            raise
+        # a replica lost for good mid-generation surfaces from _call: a 503 in the envelope, like any handle failure
+        admitted, (text, tokens, finish_reason) = await self._call(
+            self._retrying_lost_replicas(lambda: self._generate_whole(job)), self.args.request_timeout_s)
         return JSONResponse(completion_body(request_id, self.args.model_name, text, finish_reason, chat,
                                             usage(admitted["prompt_tokens"], tokens), created))
 
-    async def _admit(self, job: dict):
-        """Start a generation. A replica found dead at admission (its node just went) is retried on another one:
-        nothing was generated or sent yet, so the retry is invisible to the client. The router may pick a dead
-        replica again until Serve's replica set catches up, so the attempts back off (immediate retries ran out
-        when half the replicas had gone: a request sent after a node loss got a 503)."""
-        for attempt in range(1, ADMISSION_ATTEMPTS + 1):
-            stream = self.engine.options(stream=True).generate.remote(job)
+    async def _retrying_lost_replicas(self, attempt):
+        """Run `attempt()` again on another replica when the one it reached is lost before anything was sent to the
+        client: at admission, or anywhere in a non-streamed generation (a node's replicas can admit work for a moment
+        after the node is removed, then die). The router may pick a dead replica again until Serve's replica set
+        catches up, so the attempts back off; immediate retries ran out when half the replicas had gone."""
+        for number in range(1, ADMISSION_ATTEMPTS + 1):
             try:
-                return stream, await asyncio.wait_for(anext(stream), self.args.request_timeout_s)
+                return await attempt()
             except RayActorError as exc:
-                stream.cancel()
-                if attempt == ADMISSION_ATTEMPTS:
+                if number == ADMISSION_ATTEMPTS:
                     raise
-                log.warning("engine replica gone at admission (%s); retrying elsewhere", type(exc).__name__)
-                await asyncio.sleep(ADMISSION_BACKOFF_S * 2 ** (attempt - 1))
-            except BaseException:
-                stream.cancel()
-                raise
+                log.warning("engine replica lost before any output was sent (%s); retrying elsewhere", type(exc).__name__)
+                await asyncio.sleep(ADMISSION_BACKOFF_S * 2 ** (number - 1))
+
+    async def _admit(self, job: dict):
+        """Start a generation: the stream and the replica's admission result (its first message)."""
+        stream = self.engine.options(stream=True).generate.remote(job)
+        try:
+            return stream, await asyncio.wait_for(anext(stream), self.args.request_timeout_s)
+        except BaseException:
+            stream.cancel()
+            raise
+
+    async def _generate_whole(self, job: dict):
+        """A non-streamed generation: (admission result, (text, tokens, finish_reason)); refusals raise."""
+        stream, admitted = await self._admit(job)
+        self._raise_if_refused(admitted)
+        try:
+            return admitted, await _collect(stream)
+        except BaseException:
+            stream.cancel()
+            raise
+
+    def _raise_if_refused(self, admitted: dict) -> None:
+        if "error" in admitted:
+            raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
+                              admitted["error"]["code"], self.args.retry_after_s if admitted["status"] == 429 else None)
 
     async def _sse(self, stream, request_id: str, created: int, chat: bool, prompt_tokens: int, include_usage: bool):
         model, tokens, first = self.args.model_name, 0, True
