@@ -2,7 +2,7 @@
 the rest of the step, at a steady decode batch, for each model implementation in the same run.
 
 Each phase is timed by wrapping its function with a clock (no profiler: its per-op overhead would swamp the small
-ops this is meant to show). python benchmarks/step_phases.py --batch 64 --context 200 --impls native,hf
+ops this is meant to show). python benchmarks/step_phases.py --batch 64 --context 200 --impls native,hf,gguf
 """
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
 
 
 def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) -> LLMEngine:
-    llm_engine = LLMEngine(EngineConfig(model_impl=impl, dtype=dtype, num_threads=threads, max_num_seqs=batch,
+    """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks)."""
+    weights = {"model_impl": "native", "quantization": "gguf"} if impl == "gguf" else {"model_impl": impl}
+    llm_engine = LLMEngine(EngineConfig(**weights, dtype=dtype, num_threads=threads, max_num_seqs=batch,
                                         max_num_batched_tokens=2048, num_kv_blocks=batch * (context // 16 + 8)))
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     for i in range(batch):

@@ -14,7 +14,9 @@ class EngineConfig(BaseModel):
 
     model: str = DEFAULT_MODEL
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    quantization: Literal["nf4", "int8"] | None = None
+    quantization: Literal["gguf", "nf4", "int8"] | None = Field(default=None, description=(
+        "gguf: the embedded model's (or a .gguf file's) Q4_0/Q4_1/Q8_0 blocks as stored, read by their own kernel for "
+        "small batches; nf4/int8: bitsandbytes; None: dense weights in `dtype`"))
     device: str = "auto"
     model_impl: Literal["auto", "native", "hf"] = Field(
         default="auto", description="the engine's own Llama-family model where it fits the checkpoint (auto), or transformers' code")

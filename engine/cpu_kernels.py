@@ -1,4 +1,4 @@
-"""The C++ decode-attention kernel for CPU, compiled once on first use and cached by torch.
+"""The C++ CPU kernels (decode attention; matmuls over GGUF blocks; fused per-layer ops), compiled once on first use and cached by torch.
 
 Without a C++ compiler, attention falls back to the device-agnostic torch path. With one, a failed build is an
 error (`build_paged_decode` raises), so a broken kernel can never pass for a missing compiler.
@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCES = Path(__file__).parent / "csrc"
 
 
 class KernelBuildError(RuntimeError):
@@ -33,25 +33,51 @@ def cpu_features_tag() -> str:
     return hashlib.blake2b(" ".join(sorted(flags.split())).encode(), digest_size=6).hexdigest()
 
 
-@functools.cache
-def build_paged_decode():
-    """The compiled `paged_decode` function; raises KernelBuildError where there is no compiler or the build fails."""
+def _build(source: str, functions: list[str]):
+    """The compiled module; raises KernelBuildError where there is no compiler or the build fails."""
     if not have_compiler():
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
     from torch.utils.cpp_extension import load_inline
 
+    stem = Path(source).stem
     try:
-        module = load_inline(
-            name=f"engine_paged_attention_cpu_{cpu_features_tag()}",
-            cpp_sources=SOURCE.read_text(),
-            functions=["paged_decode"],
+        return load_inline(
+            name=f"engine_{stem}_{cpu_features_tag()}",
+            cpp_sources=(SOURCES / source).read_text(),
+            functions=functions,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp", "-lmvec"],
             verbose=False,
         )
     except Exception as exc:
-        raise KernelBuildError(f"the C++ paged attention kernel failed to build: {exc}") from exc
-    return module.paged_decode
+        raise KernelBuildError(f"the C++ kernel {source} failed to build: {exc}") from exc
+
+
+@functools.cache
+def build_paged_decode():
+    """The compiled `paged_decode` function."""
+    return _build("paged_attention_cpu.cpp", ["paged_decode"]).paged_decode
+
+
+@functools.cache
+def build_block_matmul():
+    """The compiled module with `q4_matmul` and `q8_matmul` (GGUF block weights)."""
+    return _build("quantized_matmul_cpu.cpp", ["q4_matmul", "q8_matmul"])
+
+
+@functools.cache
+def build_fused_ops():
+    """The compiled module with `add_rms_norm`, `rotary_inplace`, `silu_and_mul` and `write_kv`."""
+    return _build("fused_ops_cpu.cpp", ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv"])
+
+
+def fused_ops():
+    """The fused per-layer ops, or None (logged) where they are unavailable: the layers then use torch ops."""
+    try:
+        return build_fused_ops()
+    except KernelBuildError as exc:
+        log.warning("fused CPU ops unavailable (%s); using torch ops", exc)
+        return None
 
 
 def paged_decode_op():

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cpu_kernels import build_paged_decode, paged_decode_op
+from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
 from engine.host_memory import keep_freed_memory
@@ -67,7 +67,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
         self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
-        self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, self._decode_kernel())
+        decode_kernel = self._decode_kernel()
+        fused = fused_ops() if decode_kernel is not None else None
+        write_kv = fused.write_kv if fused is not None else None
+        self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv)
         self.runner.kv_cache = self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

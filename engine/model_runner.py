@@ -26,13 +26,23 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: Model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
-                 decode_kernel=None):
+                 decode_kernel=None, write_kv=None):
         self.model = model
         self.decode_kernel = decode_kernel
+        self.write_kv = write_kv
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
         self.kv_cache = self.allocate_kv_cache(num_blocks)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, pool: torch.Tensor) -> None:
+        self._kv_cache = pool
+        self.kv_layers = [(layer[0], layer[1]) for layer in pool]  # views split once, not in every layer of every step
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         layers, kv_heads, head_dim = kv_geometry(self.model.config)
@@ -75,7 +85,7 @@ class ModelRunner:
             table = self._tensor(seq.block_table[: -(-context_len // self.block_size)])
             prefills.append(PrefillChunk(start, start + num_new, context_len, table))
             start += num_new
-        return AttentionMetadata(self.kv_cache, self._tensor(slots), decode, prefills)
+        return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, prefills, self.write_kv)
 
     def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
         width = max(len(seq.block_table) for seq in seqs)

@@ -54,19 +54,25 @@ class DecodeBatch:
 class AttentionMetadata:
     """What one step's attention needs to know, built once per step by the model runner."""
 
-    kv_cache: torch.Tensor  # [layers, 2, kv_heads, num_blocks, block_size, head_dim]
+    kv_layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V pools [kv_heads, num_blocks, block_size, D]
     slot_mapping: torch.Tensor  # [num_tokens]: pool slot (block * block_size + offset) of each new token
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
+    write_kv: Callable | None = None  # the fused CPU op writing new K/V into their slots; None: index_copy_
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, meta: AttentionMetadata,
                     scaling: float) -> torch.Tensor:
     """query [T, heads, D], key/value [T, kv_heads, D] of one layer -> [T, heads, D]."""
-    k_cache, v_cache = meta.kv_cache[layer]  # [kv_heads, num_blocks, block_size, D]
-    kv_heads, _, _, head_dim = k_cache.shape
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
+    k_cache, v_cache = meta.kv_layers[layer]
+    if meta.write_kv is not None and key.dtype == k_cache.dtype:
+        meta.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+    else:
+        kv_heads, _, _, head_dim = k_cache.shape
+        k_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
+    if not meta.prefills:  # decodes only: the kernel's output is the whole answer
+        return _decode(query, k_cache, v_cache, meta.decode, scaling)
     out = query.new_empty(query.shape)
     if meta.decode is not None:
         out[: meta.decode.size] = _decode(query[: meta.decode.size], k_cache, v_cache, meta.decode, scaling)

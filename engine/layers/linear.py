@@ -4,12 +4,17 @@ from a checkpoint's separate matrices.
 `benchmarks/linear_packing.py` measured oneDNN's pre-packed weights (`mkldnn._linear_pointwise`) at 1.2-2.3x
 `F.linear` in bf16 and 1.8-2.7x in fp32 over the model's shapes, cold, at 1 to 256 rows; one packing (hinted for
 64 rows) serves every row count. Elsewhere (CUDA, fp16) the plain weight goes through `F.linear`.
+
+A linear loaded from GGUF blocks (`engine/layers/quantized.py`) also keeps them, and runs them for up to
+`block_rows` rows, where reading fewer bytes wins.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.quantized import BlockWeight, block_matmul, concat_rows
 
 PACKING_ROWS_HINT = 64
 
@@ -28,6 +33,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.blocks: BlockWeight | None = None
+        self.block_rows = 0
+
+    def load_blocks(self, blocks: BlockWeight) -> None:
+        """Keep GGUF blocks for small batches, and their exact dense values for the rest."""
+        self.blocks = blocks
+        self.weight.data.copy_(blocks.dequantize())
 
     def pack(self) -> None:
         """Swap the weight for its oneDNN layout where that is faster; the plain copy is dropped, not kept twice."""
@@ -36,6 +48,11 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.block_rows:
+            return block_matmul(x, self.blocks, self.bias)
+        return self.dense_forward(x)
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -43,7 +60,7 @@ class Linear(nn.Module):
     @property
     def resident_bytes(self) -> int:
         tensors = [self.packed if self.packed is not None else self.weight] + ([self.bias] if self.bias is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + (self.blocks.nbytes if self.blocks is not None else 0)
 
 
 class MergedLinear(Linear):
@@ -52,10 +69,16 @@ class MergedLinear(Linear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = output_sizes
+        self._block_shards: dict[int, BlockWeight] = {}
 
-    def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+    def load_shard(self, shard: int, name: str, tensor: torch.Tensor | BlockWeight) -> None:
         """Copy a checkpoint's separate matrix (or bias) `name` into its rows of the merged one."""
         start = sum(self.output_sizes[:shard])
+        if isinstance(tensor, BlockWeight):
+            self._block_shards[shard] = tensor
+            if len(self._block_shards) == len(self.output_sizes):
+                self.blocks = concat_rows([self._block_shards.pop(i) for i in range(len(self.output_sizes))])
+            tensor = tensor.dequantize()
         getattr(self, name).data[start : start + self.output_sizes[shard]].copy_(tensor)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

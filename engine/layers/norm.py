@@ -11,9 +11,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.fused = None  # engine.cpu_kernels.fused_ops(), set by the model on CPU
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (norm(x + residual), x + residual); the sum is the next residual. Computed in fp32, as HF does."""
+        if self.fused is not None:
+            return tuple(self.fused.add_rms_norm(x, residual, self.weight, self.eps))
         if residual is not None:
             x = x + residual
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight

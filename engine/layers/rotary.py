@@ -6,6 +6,8 @@ depends on the sequence length at run time and is left to the HF fallback (see `
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -34,9 +36,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * scale), persistent=False)  # [max_position, head_dim / 2]
         self.register_buffer("sin", (freqs.sin() * scale), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] at each token's position: looked up once per step, shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, fused=None) -> "StepRope":
+        """This step's rotary inputs, shared by every layer: cos and sin [T, 1, D/2] at each token's position, looked
+        up once; or, with the fused CPU op, the positions and the fp32 tables it indexes itself."""
+        if fused is not None:
+            return StepRope(self.cos, self.sin, positions, fused)
+        return StepRope(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+@dataclass
+class StepRope:
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None = None
+    fused: object = None  # engine.cpu_kernels.fused_ops()
+
+    def rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, D] and k [T, kv_heads, D], views at the start of the merged projection qkv, rotated."""
+        if self.fused is None:
+            return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        self.fused.rotary_inplace(qkv, self.positions, self.cos, self.sin, q.shape[1] + k.shape[1], q.shape[2])
+        return q, k
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,15 +6,17 @@ import contextlib
 import logging
 
 import torch
-from transformers import AutoConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from engine.config import EngineConfig
+from engine.cpu_kernels import fused_ops
 from engine.layers.rotary import STATIC_ROPE_TYPES, rope_type
 from engine.models.hf import HFCausalLM, load_hf_model
 from engine.models.llama import LlamaForCausalLM
+from engine.models.gguf import read_tensors as gguf_tensors
 from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, cpu_has_bf16, embedded_checkpoint,
-                                  embedded_gguf_path, load_tokenizer, model_max_len, quantization_config, resolve_device,
-                                  resolve_dtype, resolve_model_path)
+                                  embedded_gguf_path, gguf_path, is_gguf_file, load_hf_config, load_tokenizer,
+                                  model_max_len, quantization_config, resolve_device, resolve_dtype, resolve_model_path)
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
     architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if architecture not in NATIVE:
         return f"no native model for {architecture}"
-    if config.quantization is not None:
+    if config.quantization in ("nf4", "int8"):
         return f"{config.quantization} weights run through bitsandbytes' modules"
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         return f"activation {hf_config.hidden_act}"
@@ -45,8 +47,10 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Model:
     path = resolve_model_path(config.model)
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    hf_config = load_hf_config(config)
     reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
+    if config.quantization == "gguf" and reason is not None:
+        raise ValueError(f"quantization gguf runs on the native model only, which cannot run {config.model}: {reason}")
     if reason is None:
         model = load_native(path, hf_config, config, device, dtype)
     elif config.model_impl == "native":
@@ -62,12 +66,19 @@ def load_native(path: str, hf_config, config: EngineConfig, device: torch.device
     max_position = min(config.max_model_len or model_max_len(hf_config), model_max_len(hf_config))
     with _default_dtype(dtype), torch.device(device):
         model = NATIVE[hf_config.architectures[0]](hf_config, max_position)
-    model.load_weights(checkpoint_tensors(checkpoint_dir(path)))
+    if config.quantization == "gguf":
+        model.load_weights(gguf_tensors(gguf_path(config), hf_config))
+    else:
+        model.load_weights(checkpoint_tensors(checkpoint_dir(path)))
     model.pack()
+    if device.type == "cpu":
+        model.use_fused_ops(fused_ops())
     return model.eval()
 
 
 def _generation_config(path: str) -> GenerationConfig | None:
+    if is_gguf_file(path):
+        return None
     try:
         return GenerationConfig.from_pretrained(path)
     except OSError:  # the checkpoint has none

@@ -15,7 +15,8 @@ from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.logits import LMHead
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.quantized import BlockWeight, crossover_rows
+from engine.layers.rotary import RotaryEmbedding, StepRope
 
 # checkpoint name part -> (our merged module, shard)
 MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -37,11 +38,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
         self.scaling = self.head_dim**-0.5
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: StepRope, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = apply_rotary(q.view(tokens, self.heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(tokens, self.kv_heads, self.head_dim), *rope)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = self.qkv_proj.split(qkv)
+        q, k = rope.rotate(qkv, q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim))
         out = paged_attention(q, k, v.view(tokens, self.kv_heads, self.head_dim), self.layer, meta, self.scaling)
         return self.o_proj(out.view(tokens, self.heads * self.head_dim))
 
@@ -52,9 +53,10 @@ class MLP(nn.Module):
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.fused = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden), self.fused))
 
 
 class DecoderLayer(nn.Module):
@@ -79,10 +81,11 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused = None
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions, hidden.dtype)
+        rope = self.rotary(positions, hidden.dtype, self.fused)
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
@@ -102,10 +105,12 @@ class LlamaForCausalLM(nn.Module):
         """Flat [T] token ids and positions -> logits [len(logits_indices), vocab]."""
         return self.lm_head(self.model(input_ids, positions, meta), logits_indices)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Checkpoint (HF names) -> this model; every parameter must be loaded exactly once, or it raises."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
+        """Checkpoint (HF names) -> this model; every parameter must be loaded exactly once, or it raises. A GGUF
+        checkpoint's block weights (`engine/models/gguf.py`) are kept by their linears, beside exact dense values."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        embedding_blocks = None
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue  # some checkpoints store inv_freq; ours is computed from the config
@@ -115,6 +120,14 @@ class LlamaForCausalLM(nn.Module):
                 merged, shard = MERGED[leaf]
                 self.get_submodule(f"{parent}.{merged}").load_shard(shard, param, tensor)
                 loaded.add(f"{parent}.{merged}.{param}")
+            elif name in params and isinstance(tensor, BlockWeight):
+                module = self.get_submodule(module_path)
+                if isinstance(module, Linear):
+                    module.load_blocks(tensor)
+                else:
+                    params[name].data.copy_(tensor.dequantize())
+                    embedding_blocks = tensor if name == "model.embed_tokens.weight" else embedding_blocks
+                loaded.add(name)
             elif name in params:
                 params[name].data.copy_(tensor)
                 loaded.add(name)
@@ -122,15 +135,33 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name} has no place in the native {type(self).__name__}")
         if "lm_head.weight" not in loaded and self.config.tie_word_embeddings:
             self.lm_head.weight.data.copy_(self.model.embed_tokens.weight.data)
+            self.lm_head.blocks = embedding_blocks
             loaded.add("lm_head.weight")
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"the checkpoint has no weights for {missing[:4]} ({len(missing)} missing)")
 
     def pack(self) -> None:
+        """Pack every linear's dense weight, then measure up to how many rows its GGUF blocks (if any) are faster."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for module in linears:
+            module.pack()
+        dtype = self.model.embed_tokens.weight.dtype
+        for group in ([m for m in linears if m.blocks is not None and m is not self.lm_head],
+                      [self.lm_head] if self.lm_head.blocks is not None else []):
+            rows = crossover_rows(group, dtype) if group else 0
+            for module in group:
+                module.block_rows = rows
+
+    def use_fused_ops(self, fused) -> None:
+        """Run norms, rotary and SiLU-and-mul as one C++ call each (`engine.cpu_kernels.fused_ops()`); None: torch ops."""
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
+            if isinstance(module, (RMSNorm, MLP, LlamaModel)):
+                module.fused = fused
+
+    def block_rows(self) -> dict[str, int]:
+        """Up to how many rows the layers and the LM head read GGUF blocks (0: never)."""
+        return {"layers": self.model.layers[0].mlp.down_proj.block_rows, "lm_head": self.lm_head.block_rows}
 
     def weight_bytes(self) -> int:
         """Resident weight bytes, packed copies included (the tied LM head is a second, packed copy)."""

@@ -96,7 +96,30 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
+    if is_gguf_file(config.model):
+        path = Path(config.model)
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return AutoTokenizer.from_pretrained(resolve_model_path(config.model), trust_remote_code=config.trust_remote_code)
+
+
+def load_hf_config(config: EngineConfig) -> AutoConfig:
+    if is_gguf_file(config.model):
+        path = Path(config.model)
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoConfig.from_pretrained(resolve_model_path(config.model), trust_remote_code=config.trust_remote_code)
+
+
+def is_gguf_file(model: str) -> bool:
+    return model.endswith(".gguf")
+
+
+def gguf_path(config: EngineConfig) -> Path:
+    """The GGUF file `quantization: gguf` reads: the embedded model's, or the model given as a .gguf path."""
+    if config.model == DEFAULT_MODEL:
+        return embedded_gguf_path()
+    if is_gguf_file(config.model) and Path(config.model).is_file():
+        return Path(config.model)
+    raise ValueError(f"quantization gguf needs the embedded model or a local .gguf file, not {config.model!r}")
 
 
 def quantization_config(kind: str | None, dtype: torch.dtype):

@@ -5,9 +5,19 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from engine.cpu_kernels import build_fused_ops
+from engine.layers.activation import silu_and_mul
 from engine.layers.linear import Linear, MergedLinear, can_pack
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import RotaryEmbedding
+
+FUSED = [pytest.param(False, id="torch-ops"), pytest.param(True, id="fused-cpu-ops")]
+
+
+def fused_or_none(fused: bool):
+    return build_fused_ops() if fused else None  # a build failure fails the test: the fused ops are the CPU default
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -37,31 +47,65 @@ def test_merged_linear_is_its_shards_side_by_side():
         torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_with_fused_residual_equals_add_then_hf_norm():
+@pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_with_fused_residual_equals_add_then_hf_norm(fused, dtype, with_residual):
     g = torch.Generator().manual_seed(0)
-    x, residual, weight = torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g), torch.randn(64, generator=g)
-    ours, reference = RMSNorm(64, 1e-5), LlamaRMSNorm(64, eps=1e-5)
+    x, residual, weight = (torch.randn(shape, generator=g).to(dtype) for shape in ((6, 64), (6, 64), (64,)))
+    ours, reference = RMSNorm(64, 1e-5).to(dtype), LlamaRMSNorm(64, eps=1e-5).to(dtype)
     ours.weight.data.copy_(weight)
     reference.weight.data.copy_(weight)
-    normed, new_residual = ours(x, residual)
-    torch.testing.assert_close(new_residual, x + residual)
-    torch.testing.assert_close(normed, reference(x + residual))
+    ours.fused = fused_or_none(fused)
+    total = x + residual if with_residual else x
+    normed, new_residual = ours(x, residual if with_residual else None)
+    torch.testing.assert_close(new_residual, total, rtol=0, atol=0)
+    exact = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(normed, reference(total), **exact)
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("rope_parameters", [
     {"rope_type": "default", "rope_theta": 10000.0},
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},
 ])
-def test_rotary_table_equals_hf_rotary(rope_parameters):
+def test_rotary_table_equals_hf_rotary(rope_parameters, fused):
     config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                          rope_parameters=rope_parameters)
     positions = torch.tensor([0, 1, 5, 63, 64, 300, 511])
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(len(positions), 2, 64, generator=g), torch.randn(len(positions), 1, 64, generator=g)
-    cos_sin = RotaryEmbedding(config, 64, 512)(positions, torch.float32)
-    ours = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+    qkv = torch.randn(len(positions), 4 * 64, generator=g)  # q (2 heads), k (1), v (1), as the merged projection
+    q, k, v = qkv.clone().split([128, 64, 64], dim=-1)
+    rope = RotaryEmbedding(config, 64, 512)(positions, torch.float32, fused_or_none(fused))
+    work = qkv.clone()
+    ours = rope.rotate(work, work[:, :128].view(-1, 2, 64), work[:, 128:192].view(-1, 1, 64))
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
-    expected = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    expected = apply_rotary_pos_emb(q.view(-1, 2, 64).transpose(0, 1)[None], k.view(-1, 1, 64).transpose(0, 1)[None], cos, sin)
     for got, want in zip(ours, expected):
         torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(work[:, 192:], v, rtol=0, atol=0)  # v is never touched
+
+
+@pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_equals_hf_mlp_activation(fused, dtype):
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(5, 2 * 48, generator=g) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=48, num_attention_heads=1, num_key_value_heads=1)).act_fn(gate) * up
+    torch.testing.assert_close(silu_and_mul(gate_up, fused_or_none(fused)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_kv_write_lands_in_the_slots_index_copy_would():
+    g = torch.Generator().manual_seed(0)
+    kv_heads, blocks, block_size, head_dim, tokens = 2, 6, 4, 16, 5
+    merged = torch.randn(tokens, 3 * kv_heads * head_dim, generator=g)  # key and value as strided views of it
+    key = merged[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = merged[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 9, 10, 22, 0])
+    ours = [torch.zeros(kv_heads, blocks, block_size, head_dim) for _ in range(2)]
+    build_fused_ops().write_kv(*ours, key, value, slots)
+    for cache, new in zip(ours, (key, value)):
+        expected = torch.zeros(kv_heads, blocks * block_size, head_dim).index_copy_(1, slots, new.transpose(0, 1))
+        assert torch.equal(cache.view(kv_heads, -1, head_dim), expected)

@@ -1,0 +1,137 @@
+// The small per-layer ops of a decoder, one call each instead of the 5 to 15 torch ops (each a dispatch) that
+// spell them: at a decode batch of one, those dispatches cost more than the matmuls of a 4-bit model.
+// Rounding follows transformers' Llama code: the residual sum and every op's output are in the model's dtype; the
+// norm's statistics and each op's arithmetic are in fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+template <typename scalar_t>
+inline scalar_t round_to(float v) { return static_cast<scalar_t>(v); }
+
+template <typename scalar_t>
+void add_rms_norm_rows(const scalar_t* x, const scalar_t* residual, const scalar_t* weight, scalar_t* normed,
+                       scalar_t* sum, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * hidden;
+      float squares = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const scalar_t total = residual ? round_to<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(residual[r * hidden + i])) : xr[i];
+        sum[r * hidden + i] = total;
+        s[i] = static_cast<float>(total);
+        squares += s[i] * s[i];
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float n = static_cast<float>(round_to<scalar_t>(s[i] * inv));
+        normed[r * hidden + i] = round_to<scalar_t>(n * static_cast<float>(weight[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// -> (weight * norm(x + residual), x + residual); residual may be undefined (the first layer).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                        double eps) {
+  pybind11::gil_scoped_release no_gil;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type());
+  const bool has_residual = residual.has_value() && residual->defined();
+  if (has_residual) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type());
+  auto normed = torch::empty_like(x);
+  auto sum = has_residual ? torch::empty_like(x) : x;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    if (has_residual) {
+      add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual->data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                  normed.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+    } else {
+      // no residual: the sum is x itself, written back unchanged
+      add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
+                                  x.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+    }
+  });
+  return {normed, sum};
+}
+
+// Rotates the first `rotated_heads` heads of each row of qkv [T, heads_total * D] in place (q then k, in the halves
+// convention of HF's rotate_half), at each token's position in the fp32 cos/sin tables [max_position, D / 2].
+void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                    int64_t rotated_heads, int64_t head_dim) {
+  pybind11::gil_scoped_release no_gil;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && positions.scalar_type() == torch::kLong);
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2);
+  const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), half = head_dim / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_inplace", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cos.data_ptr<float>() + pos[t] * half;
+        const float* s = sin.data_ptr<float>() + pos[t] * half;
+        for (int64_t h = 0; h < rotated_heads; ++h) {
+          scalar_t* x = base + t * row_stride + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            // the table in the model's dtype first, as HF casts cos/sin before multiplying
+            const float ci = static_cast<float>(round_to<scalar_t>(c[i])), si = static_cast<float>(round_to<scalar_t>(s[i]));
+            const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+            x[i] = round_to<scalar_t>(x1 * ci - x2 * si);
+            x[i + half] = round_to<scalar_t>(x2 * ci + x1 * si);
+          }
+        }
+      }
+    });
+  });
+}
+
+// SiLU(gate) * up over the merged gate/up output [T, 2 * I] -> [T, I].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  pybind11::gil_scoped_release no_gil;
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous());
+  const int64_t tokens = gate_up.size(0), inner = gate_up.size(1) / 2;
+  auto out = torch::empty({tokens, inner}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* gate = in + t * 2 * inner;
+        const scalar_t* up = gate + inner;
+        for (int64_t i = 0; i < inner; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const float act = static_cast<float>(round_to<scalar_t>(g / (1.f + std::exp(-g))));
+          o[t * inner + i] = round_to<scalar_t>(act * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Writes each new token's key and value [T, kv_heads, D] (rows may be strided views of the merged projection) into
+// its pool slot of the caches [kv_heads, num_blocks, block_size, D].
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots) {
+  pybind11::gil_scoped_release no_gil;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == torch::kLong);
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be dense in head_dim");
+  const int64_t tokens = key.size(0), kv_heads = key.size(1), head_dim = key.size(2);
+  const int64_t pool_slots = k_cache.size(1) * k_cache.size(2);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv", [&] {
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "slot out of the pool");
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t dst = (h * pool_slots + slot[t]) * head_dim;
+        std::copy_n(key.data_ptr<scalar_t>() + t * key.stride(0) + h * key.stride(1), head_dim, k_cache.data_ptr<scalar_t>() + dst);
+        std::copy_n(value.data_ptr<scalar_t>() + t * value.stride(0) + h * value.stride(1), head_dim, v_cache.data_ptr<scalar_t>() + dst);
+      }
+    }
+  });
+}

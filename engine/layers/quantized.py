@@ -1,0 +1,100 @@
+"""Matmuls straight from GGUF blocks (Q4_0/Q4_1/Q8_0, see `engine/models/gguf.py`), for the few rows of a decode
+step at low load, where reading the weights is the whole cost: Q4_1 is about a sixth of fp32's bytes.
+
+The kernel (`engine/csrc/quantized_matmul_cpu.cpp`) dequantizes each block in registers to the exact value the file
+holds and accumulates in fp32, so it matches the dequantized fp32 matmul within fp32 rounding, whatever the model's
+dtype. It loses to oneDNN's packed dense matmul past a few rows (`benchmarks/int4_matmul.py`), so a `Linear` with
+blocks keeps its packed dense copy too and picks by row count, at a crossover measured on this CPU at load.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.cpu_kernels import build_block_matmul
+
+BLOCK = 32
+QUANT_BYTES = 16  # bytes of codes in a Q4 block; a Q8 block holds 32
+
+CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class BlockWeight:
+    """A [rows, cols] matrix in 32-weight blocks: codes [rows, cols/32 * bytes] uint8, fp32 scales and (Q4) mins
+    [rows, cols/32]. `kind` is "q4" (q d + m, nibbles) or "q8" (q d, int8)."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+    def rows(self, index: torch.Tensor) -> "BlockWeight":
+        return BlockWeight(self.kind, self.codes[index], self.scales[index], None if self.mins is None else self.mins[index])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix the blocks hold, value for value."""
+        rows, cols = self.shape
+        if self.kind == "q8":
+            codes = self.codes.view(torch.int8).view(rows, -1, BLOCK).float()
+            return (codes * self.scales[..., None]).view(rows, cols)
+        blocks = self.codes.view(rows, -1, QUANT_BYTES)
+        codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()
+        return torch.addcmul(self.mins[..., None], codes, self.scales[..., None]).view(rows, cols)
+
+
+def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
+    """Several matrices of one input stacked as one (merged q/k/v, gate/up)."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot merge projections stored as different GGUF types: {sorted(kinds)}")
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    return BlockWeight(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
+def block_matmul(x: torch.Tensor, blocks: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    kernels = build_block_matmul()
+    x32 = x.float()
+    if blocks.kind == "q4":
+        y = kernels.q4_matmul(x32, blocks.codes, blocks.scales, blocks.mins)
+    else:
+        y = kernels.q8_matmul(x32, blocks.codes, blocks.scales)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
+
+
+def crossover_rows(linears: list, dtype: torch.dtype, repeats: int = 3) -> int:
+    """The most rows for which the block kernel beats the dense one on this CPU (0: never), timed over the model's
+    own linears in turn, so that each weight comes cold from memory as it does in a step."""
+    best = 0
+    with torch.inference_mode():
+        for rows in CALIBRATION_ROWS:
+            inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+            blocks = _median_s(lambda: [block_matmul(inputs[m.in_features], m.blocks, m.bias) for m in linears], repeats)
+            dense = _median_s(lambda: [m.dense_forward(inputs[m.in_features]) for m in linears], repeats)
+            if blocks >= dense:
+                break
+            best = rows
+    return best
+
+
+def _median_s(sweep, repeats: int) -> float:
+    sweep()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sweep()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
