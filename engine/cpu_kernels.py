@@ -33,19 +33,21 @@ def cpu_features_tag() -> str:
     return hashlib.blake2b(" ".join(sorted(flags.split())).encode(), digest_size=6).hexdigest()
 
 
-def _build(source: str, functions: list[str]):
-    """The compiled module; raises KernelBuildError where there is no compiler or the build fails."""
+def _build(source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
+    """The compiled module; raises KernelBuildError where there is no compiler or the build fails. extra_cflags
+    (tests) builds a variant under its own name, e.g. `-mno-avx512f` for the AVX2 path on an AVX-512 CPU."""
     if not have_compiler():
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
     from torch.utils.cpp_extension import load_inline
 
     stem = Path(source).stem
+    variant = hashlib.blake2b(" ".join(extra_cflags).encode(), digest_size=3).hexdigest() if extra_cflags else ""
     try:
         return load_inline(
-            name=f"engine_{stem}_{cpu_features_tag()}",
+            name=f"engine_{stem}_{cpu_features_tag()}{variant}",
             cpp_sources=(SOURCES / source).read_text(),
             functions=functions,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", *extra_cflags],
             extra_ldflags=["-fopenmp", "-lmvec"],
             verbose=False,
         )
@@ -60,9 +62,9 @@ def build_paged_decode():
 
 
 @functools.cache
-def build_block_matmul():
+def build_block_matmul(extra_cflags: tuple[str, ...] = ()):
     """The compiled module with `q4_matmul` and `q8_matmul` (GGUF block weights)."""
-    return _build("quantized_matmul_cpu.cpp", ["q4_matmul", "q8_matmul"])
+    return _build("quantized_matmul_cpu.cpp", ["q4_matmul", "q8_matmul"], extra_cflags)
 
 
 @functools.cache

@@ -9,7 +9,7 @@
 
 #include <algorithm>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -102,6 +102,51 @@ inline void row_dot_avx512(const uint8_t* q, const float* d, const float* m, con
   for (int r = 0; r < ROWS; ++r) out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 #define ROW_DOT row_dot_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (CPUs without AVX-512): a block is four 8-lane vectors; the same arithmetic, so the same values.
+inline void q4_dequantize8(const uint8_t* q, float d, float m, __m256 w[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), vd, vm);
+}
+
+inline void q8_dequantize8(const uint8_t* q, float d, float, __m256 w[4]) {
+  const __m256 vd = _mm256_set1_ps(d);
+  for (int i = 0; i < 4; ++i) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
+    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
+  }
+}
+
+template <typename Block, int ROWS>
+inline void row_dot_avx2(const uint8_t* q, const float* d, const float* m, const float* x, int64_t k, float* out,
+                         int64_t out_stride) {
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / kBlock; ++g) {
+    __m256 w[4];
+    if constexpr (Block::bytes == 16) q4_dequantize8(q + g * Block::bytes, d[g], m[g], w);
+    else q8_dequantize8(q + g * Block::bytes, d[g], 0.f, w);
+    for (int r = 0; r < ROWS; ++r) {
+      const float* xr = x + r * k + g * kBlock;
+      acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(acc[r][0], acc[r][1]));
+    float total = 0.f;
+    for (float lane : lanes) total += lane;
+    out[r * out_stride] = total;
+  }
+}
+#define ROW_DOT row_dot_avx2
 #else
 #define ROW_DOT row_dot
 #endif

@@ -79,3 +79,23 @@ def test_the_block_kernel_equals_the_dequantized_fp32_matmul(kind, rows, dtype):
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # fp32 accumulation; bf16 only rounds the output
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(ISA_VARIANTS))
+def test_the_avx2_and_portable_kernels_equal_the_dequantized_fp32_matmul(isa):
+    """Built here with AVX-512 (and AVX2) switched off, so the paths other CPUs take are checked on this one too."""
+    from engine.cpu_kernels import build_block_matmul
+
+    kernels = build_block_matmul(ISA_VARIANTS[isa])
+    for kind in ("q4", "q8"):
+        for rows in (1, 4, 6):
+            blocks = random_blocks(kind, 40, 128, seed=rows)
+            x = torch.randn(rows, 128)
+            args = (blocks.codes, blocks.scales, blocks.mins) if kind == "q4" else (blocks.codes, blocks.scales)
+            got = getattr(kernels, f"{kind}_matmul")(x, *args)
+            expected = x.double() @ blocks.dequantize().double().T
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
