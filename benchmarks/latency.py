@@ -152,6 +152,7 @@ def plot(rows: list[dict], path: Path, threads: int) -> None:
     ax.set(xlabel="concurrent requests", ylabel="decode tok/s per stream", xscale="log", title=f"Decode speed per stream, {threads} threads")
     levels = sorted({r["concurrency"] for r in rows})
     ax.set_xticks(levels, labels=[str(level) for level in levels])
+    ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
