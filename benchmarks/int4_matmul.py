@@ -1,6 +1,6 @@
 """Where torch's packed int4 matmul (`aten._weight_int4pack_mm_for_cpu`, group 32) beats oneDNN's pre-packed dense
 weights on this CPU: 30 layers' cold Q4_1-style weights of SmolLM2-135M's merged shapes (qkv, o, gate_up, down), at
-several row counts, with fp32 and bf16 activations. `engine/layers/quantized.py` picks its kernel by what this shows.
+several row counts, with fp32 and bf16 activations, and the engine's own block kernel (`engine/layers/quantized.py`).
 
 python benchmarks/int4_matmul.py --threads 2 --rows 1,2,4,8,16,32,64,128
 """
@@ -42,7 +42,17 @@ def int4(codes, scales, mins, dtype):
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
 
 
-VARIANTS = {"dense fp32": (dense, torch.float32), "dense bf16": (dense, torch.bfloat16),
+def blocks(codes, scales, mins, dtype):
+    """The engine's own exact Q4 block kernel (fp32 accumulation), as `quantization: gguf` runs it."""
+    from engine.layers.quantized import BlockWeight, block_matmul
+
+    n, k = codes.shape
+    pairs = codes.to(torch.uint8).view(n, k // GROUP, 2, 16)
+    weight = BlockWeight("q4", (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), scales, mins)
+    return lambda x: block_matmul(x, weight, None)
+
+
+VARIANTS = {"engine blocks fp32": (blocks, torch.float32), "dense fp32": (dense, torch.float32), "dense bf16": (dense, torch.bfloat16),
             "int4 fp32": (int4, torch.float32), "int4 bf16": (int4, torch.bfloat16),
             "int4 fp16": (int4, torch.float16)}
 
@@ -58,7 +68,8 @@ def sweep_ms(layers, x_by_in, repeats: int) -> float:
 
 
 @cli.command()
-def main(threads: int = 2, rows: str = "1,2,4,8,16,32,64,128", repeats: int = 7, variants: str = ",".join(VARIANTS)):
+def main(threads: int = 2, rows: str = "1,2,4,8,16,32,64,128", repeats: int = 7,
+         variants: str = "engine blocks fp32,dense fp32,dense bf16,int4 bf16"):  # int4 fp32/fp16: seconds a sweep
     torch.set_num_threads(threads)
     weights = list(q4_weights())
     names = variants.split(",")
