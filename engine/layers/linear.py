@@ -48,7 +48,7 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.block_rows:
+        if self.blocks is not None and x.shape[0] <= self.block_rows:
             return block_matmul(x, self.blocks, self.bias)
         return self.dense_forward(x)
 

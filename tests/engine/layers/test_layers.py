@@ -35,6 +35,13 @@ def test_packed_linear_equals_f_linear(dtype, tolerance, rows):
     torch.testing.assert_close(layer(x).float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
+def test_a_linear_without_blocks_takes_zero_rows():
+    """A step whose every sequence is mid-prefill samples nothing: the LM head gets 0 rows."""
+    layer = Linear(32, 8)
+    layer.pack()
+    assert layer(torch.randn(0, 32)).shape == (0, 8)
+
+
 def test_merged_linear_is_its_shards_side_by_side():
     g = torch.Generator().manual_seed(0)
     shards = [torch.randn(n, 32, generator=g) for n in (48, 16, 16)]
