@@ -75,17 +75,17 @@ def build_fused_ops():
 
 def fused_ops():
     """The fused per-layer ops, or None (logged) where they are unavailable: the layers then use torch ops."""
-    try:
-        return build_fused_ops()
-    except KernelBuildError as exc:
-        log.warning("fused CPU ops unavailable (%s); using torch ops", exc)
-        return None
+    return _built_or_none(build_fused_ops, "fused CPU ops", "torch ops")
 
 
 def paged_decode_op():
     """The kernel, or None (logged) where it is unavailable: what attention_backend='auto' uses."""
+    return _built_or_none(build_paged_decode, "C++ paged attention", "the torch path")
+
+
+def _built_or_none(build, what: str, fallback: str):
     try:
-        return build_paged_decode()
+        return build()
     except KernelBuildError as exc:
-        log.warning("C++ paged attention unavailable (%s); using the torch path", exc)
+        log.warning("%s unavailable (%s); using %s", what, exc, fallback)
         return None

@@ -2,8 +2,8 @@
 // registers to the exact fp32 value the file holds (q*d is exact in fp32; one rounding for +m, as in the reference).
 //   q4: W[n, 32g + j] = q*d + m, q a nibble: byte j of a block holds element j (low) and element j + 16 (high).
 //   q8: W[n, 32g + j] = q*d, q an int8.
-// fp32 activations and accumulation. Written plainly so the compiler vectorises it for the CPU it is built on
-// (AVX-512 or AVX2, see cpu_kernels.py); small row counts are where it runs: larger ones go to a dense matmul.
+// fp32 activations and accumulation. AVX-512 and AVX2 intrinsics, chosen by the CPU it is built on (-march=native,
+// see cpu_kernels.py), and a plain loop elsewhere; small row counts are where it runs: larger ones go to a dense matmul.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
