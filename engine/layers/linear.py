@@ -20,8 +20,11 @@ PACKING_ROWS_HINT = 64
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """oneDNN packs fp32 on any x86 CPU; bf16 only where the CPU computes it (AVX-512 bf16, AMX, avx_ne_convert):
+    on an AVX2-only CPU the reorder raises."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Module):
