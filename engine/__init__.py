@@ -3,10 +3,10 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
 from engine.llm_engine import LLM, LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import RequestOutput
 
 __all__ = [
     "AsyncLLMEngine", "DEFAULT_MODEL", "EngineConfig", "EngineDeadError", "EngineInputError", "EngineOverloadedError",
-    "LLM", "LLMEngine", "RequestOutput", "SamplingParams",
+    "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutput",
 ]

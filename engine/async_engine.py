@@ -101,7 +101,7 @@ class AsyncLLMEngine:
         return self
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> RequestStream:
+                    cache_salt: str | None = None, prompt_leader: str | None = None) -> RequestStream:
         """Validate, tokenize and enqueue now (raises EngineInputError); outputs arrive through the stream."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -109,7 +109,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, prompt_leader=prompt_leader)
         except BaseException:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]

@@ -96,6 +96,8 @@ class BlockManager:
             self._take(block_id, keep_cached=True)
         seq.block_table = list(matched)
         seq.num_computed_tokens = len(matched) * self.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)

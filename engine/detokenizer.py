@@ -2,8 +2,9 @@
 (one Rust call per token, where decoding two growing windows through the transformers wrapper cost about 3x more)."""
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # tokenizers decide a token's leading space from what precedes it
@@ -32,3 +33,25 @@ class IncrementalDetokenizer:
         text = self.tokenizer.decode(self.pending, skip_special_tokens=self.skip_special_tokens) if self.pending else ""
         self.pending.clear()
         return text
+
+
+class TokenTexts:
+    """Each token's own text and raw bytes, as OpenAI's logprobs report them. Byte-level BPE pieces map back to
+    their exact bytes (a piece may hold part of a character); other tokenizers decode the token alone."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer  # a private instance: fast tokenizers are not shareable across threads
+        self.byte_level = isinstance(tokenizer.backend_tokenizer.decoder, ByteLevel)
+        self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        found = self.cache.get(token_id)
+        if found is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if self.byte_level and all(char in self.byte_of for char in piece):
+                raw = bytes(self.byte_of[char] for char in piece)
+            else:
+                raw = self.tokenizer.decode([token_id]).encode("utf-8")
+            found = self.cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return found

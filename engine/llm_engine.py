@@ -11,6 +11,7 @@ from typing import Any, Union
 import torch
 from tqdm.auto import tqdm
 
+from engine import chat
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
@@ -24,13 +25,13 @@ from engine.sampler import INVALID_TOKEN, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
+from engine.structured_output import GrammarCompiler, allowed_tokens
 
 log = logging.getLogger(__name__)
 
-Messages = list[dict[str, Any]]
+Messages = chat.Messages
 Prompt = Union[str, list[int], Messages]
 CPU_DEFAULT_KV_BYTES = 2 << 30
-CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -47,6 +48,7 @@ class OutputState:
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
     stop_holdback: int = 0
+    grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
 
 
 class LLMEngine:
@@ -65,6 +67,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
         self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         decode_kernel = self._decode_kernel()
@@ -137,7 +140,8 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a text, token ids or chat messages (with `tools` offered to the model: chat only)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
@@ -145,7 +149,7 @@ class LLMEngine:
             self._check_unicode(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._tokenize_chat(prompt)
+            return self._tokenize_chat(prompt, tools)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
@@ -155,16 +159,13 @@ class LLMEngine:
             return list(prompt)
         raise EngineInputError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
 
-    def _tokenize_chat(self, messages: Messages) -> list[int]:
-        for i, message in enumerate(messages):
-            if message.get("role") not in CHAT_ROLES:
-                raise EngineInputError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}", "messages")
-            if not isinstance(message.get("content"), str):
-                raise EngineInputError(f"messages[{i}].content must be a string", "messages")
+    def _tokenize_chat(self, messages: Messages, tools: list[dict] | None) -> list[int]:
+        messages = chat.normalize(messages)
         self._check_length(sum(len(m["content"]) for m in messages), "messages")
         for i, message in enumerate(messages):
             self._check_unicode(message["content"], f"messages[{i}].content")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = chat.render(self.tokenizer, messages, tools)
+        self._check_length(len(text), "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_length(self, num_chars: int, param: str) -> None:
@@ -182,13 +183,18 @@ class LLMEngine:
             raise EngineInputError(f"{param} is not valid Unicode (a lone surrogate at character {exc.start})", param)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> Sequence:
+                    arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
+                    prompt_leader: str | None = None) -> Sequence:
         """Validate, tokenize and enqueue. Thread-safe; raises EngineInputError on bad input. Requests with a
-        `cache_salt` share prefix-cache blocks only with requests carrying the same salt."""
+        `cache_salt` share prefix-cache blocks only with requests carrying the same salt. A request naming a
+        `prompt_leader` (an earlier request with the same prompt, as the choices of n > 1 are) waits for it to
+        compute the prompt and then shares its blocks."""
         params = params or SamplingParams()
         self._check_cache_salt(cache_salt)
-        token_ids = self.tokenize(prompt)
+        self._check_token_ids(params)
+        token_ids = self.tokenize(prompt, tools)
         max_tokens = self._validated_max_tokens(len(token_ids), params)
+        grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         seq = Sequence(request_id, token_ids, params, arrival_time, cache_salt)
         seq.runtime = OutputState(
             detokenizer=IncrementalDetokenizer(self.detokenizer_tokenizer, token_ids, params.skip_special_tokens),
@@ -196,16 +202,24 @@ class LLMEngine:
             max_tokens=max_tokens,
             logprobs=[] if params.logprobs is not None else None,
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
+            grammar=grammar,
         )
         with self._inbox_lock:
             if request_id in self.sequences:
                 raise EngineInputError(f"request id {request_id!r} is already in flight", "request_id")
+            seq.prompt_leader = self.sequences.get(prompt_leader) if prompt_leader is not None else None
             limit = self.config.max_waiting
             if limit is not None and len(self._new_seqs) + len(self.scheduler.waiting) >= limit:
                 raise EngineOverloadedError(f"the engine queue is full ({limit} waiting requests)")
             self.sequences[request_id] = seq
             self._new_seqs.append(seq)
         return seq
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise EngineInputError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})", name)
 
     def _check_cache_salt(self, salt: str | None) -> None:
         if salt is None:
@@ -322,11 +336,16 @@ class LLMEngine:
 
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         sampling_seqs, logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        params = [seq.params for seq in sampling_seqs]
         tokens, logprobs = self.sampler(
             logits,
-            [seq.params for seq in sampling_seqs],
+            params,
             [seq.runtime.generator for seq in sampling_seqs],
             [seq.output_token_ids for seq in sampling_seqs],
+            prompt_token_ids=[seq.prompt_token_ids for seq in sampling_seqs] if any(
+                p.repetition_penalty != 1.0 for p in params) else None,
+            banned_token_ids=[self._not_yet_allowed(seq) for seq in sampling_seqs],
+            allowed=allowed_tokens([seq.runtime.grammar for seq in sampling_seqs], logits.shape[1]),
         )
         outputs = [self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)")
                    for seq, token in zip(sampling_seqs, tokens) if token == INVALID_TOKEN]  # before its blocks publish
@@ -344,6 +363,13 @@ class LLMEngine:
                 continue
             outputs.append(self._output(seq))
         return outputs
+
+    def _not_yet_allowed(self, seq: Sequence) -> tuple[int, ...] | set[int]:
+        """Before min_tokens, the tokens that would end the request."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            return ()
+        return set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
 
     @staticmethod
     def _num_prompt_tokens_in(batch: ScheduledBatch) -> int:
@@ -365,6 +391,8 @@ class LLMEngine:
         timing.last_token_time = now
         if state.logprobs is not None:
             state.logprobs.append(logprob)
+        if state.grammar is not None and not state.grammar.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {state.grammar.get_error()}")
         state.text += state.detokenizer.add(token)
         reason = self._stop_reason(seq, token)
         if reason is not None:
@@ -375,12 +403,15 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params, state = seq.params, seq.runtime
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
-        if params.stop_strings and self._stop_string_at(seq) is not None:
-            return "stop"
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return "stop"
+            if token in params.stop_token_ids:
+                return "stop"
+            if params.stop_strings and self._stop_string_at(seq) is not None:
+                return "stop"
+        if state.grammar is not None and state.grammar.is_stopped():
+            return "stop"  # the structure is complete: only EOS could follow
         if seq.num_output_tokens >= state.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
@@ -414,6 +445,7 @@ class LLMEngine:
             metrics=seq.metrics,
             logprobs=state.logprobs,
             error=state.error,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
         state.sent_text_len, state.sent_token_len = visible, len(output_ids)
         return out

@@ -1,5 +1,8 @@
-"""Sampler: penalties, temperature, top-k/top-p/min-p, and a per-request random stream."""
+"""Sampler: logit bias, bans and grammar masks, penalties, temperature, top-k/top-p/min-p, and a per-request random
+stream."""
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
@@ -41,29 +44,59 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]] | None = None,
+        banned_token_ids: list[Collection[int]] | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution), and
-        its logprobs where asked for. Never an id outside [0, vocab)."""
+        its logprobs where asked for. Never an id outside [0, vocab).
+
+        Logprobs are the model's own (before any bias, mask or penalty). Then, in order: logit_bias, the tokens a
+        row may not produce yet (`banned_token_ids`: EOS and stop ids before min_tokens), the grammar's `allowed`
+        mask (bool [n, vocab]), penalties (repetition over prompt and output), then temperature and truncation."""
         finite = finite_rows(logits)
-        if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
+        banned_token_ids = banned_token_ids or [()] * len(params)
+        if allowed is None and not any(banned_token_ids) and all(_plain_greedy(p) for p in params):
             return _valid_or_invalid(greedy_tokens(logits), finite), [None] * len(params)  # no float copy of the logits
-        logits = logits.to(torch.float32, copy=True)  # _sample works in place
+        logits = logits.to(torch.float32, copy=True)  # worked on in place from here
         logprobs = self._logprobs(logits, params)
+        self._restrict(logits, params, banned_token_ids, allowed)
         if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits, params, output_token_ids)
+            logits = self._apply_penalties(logits, params, output_token_ids, prompt_token_ids)
+        candidates = finite & (logits.amax(-1) > float("-inf"))  # a mask may leave a row nothing to choose
         if all(p.greedy for p in params):
-            tokens = _valid_or_invalid(greedy_tokens(logits), finite)
+            tokens = _valid_or_invalid(greedy_tokens(logits), candidates)
         else:
-            tokens = self._sample(logits, params, generators, finite)
+            tokens = self._sample(logits, params, generators, candidates)
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
-    def _apply_penalties(logits, params, output_token_ids) -> torch.Tensor:
+    def _restrict(logits, params, banned_token_ids, allowed) -> None:
+        """logit_bias, then the bans and the grammar mask, in place; one index_put per kind for the whole batch."""
+        vocab = logits.shape[1]
+        biased = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab]
+        if biased:
+            rows, tokens, biases = zip(*biased)
+            logits.index_put_((torch.tensor(rows), torch.tensor(tokens)), torch.tensor(biases, dtype=logits.dtype),
+                              accumulate=True)
+        banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids if t < vocab]
+        if banned:
+            rows, tokens = zip(*banned)
+            logits[torch.tensor(rows), torch.tensor(tokens)] = float("-inf")
+        if allowed is not None:
+            logits.masked_fill_(~allowed, float("-inf"))
+
+    @staticmethod
+    def _apply_penalties(logits, params, output_token_ids, prompt_token_ids) -> torch.Tensor:
         for row, (p, history) in enumerate(zip(params, output_token_ids)):
-            if not p.has_penalties or not history:
-                continue
-            counts = torch.bincount(torch.tensor(history, device=logits.device), minlength=logits.shape[1]).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if p.repetition_penalty != 1.0:
+                seen = set(history).union(prompt_token_ids[row] if prompt_token_ids else ())
+                ids = torch.tensor(sorted(seen), dtype=torch.long, device=logits.device)
+                values = logits[row, ids]
+                logits[row, ids] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and history:
+                counts = torch.bincount(torch.tensor(history, device=logits.device), minlength=logits.shape[1]).to(logits.dtype)
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
     @staticmethod
@@ -132,6 +165,10 @@ class Sampler:
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             picked.append(entry)
         return picked
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
 
 
 def _valid_or_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> list[int]:

@@ -1,8 +1,10 @@
 """SamplingParams: what a request asks of the sampler and the stop checks. Torch-free."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import EngineInputError
 
@@ -10,6 +12,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stream holds back this much text to catch a stop string split across deltas
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own bound
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_REPETITION_PENALTY = 2.0
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf, and the softmax to NaN.
 SAMPLING_EPS = 1e-5
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
@@ -37,6 +42,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    repetition_penalty: float = 1.0  # HF's rule over prompt and output tokens: positive logits divided, negative multiplied
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings are held off until this many tokens exist
+    logit_bias: dict[int, float] | None = None  # added to the logits before anything else
+    structured_output: "StructuredOutput | None" = None
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
@@ -53,16 +62,16 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         def bad(message: str, param: str) -> None:
             raise EngineInputError(message, param)
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "min_tokens"):
             if getattr(self, name) is not None and not _is_int(getattr(self, name)):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}", name)
         if not _is_int(self.top_k):
@@ -84,7 +93,26 @@ class SamplingParams:
             bad(f"seed must be a 64-bit integer, in [-2**63, 2**64), got {self.seed}", "seed")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}", "repetition_penalty")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            bad("structured_output must be a StructuredOutput", "response_format")
+        self._validate_logit_bias(bad)
         self._validate_stops(bad)
+
+    def _validate_logit_bias(self, bad) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            bad(f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases", "logit_bias")
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                bad(f"logit_bias keys must be token ids (non-negative integers), got {token!r}", "logit_bias")
+            if not _is_number(bias) or not low <= bias <= high:
+                bad(f"logit_bias values must be numbers in [{low:g}, {high:g}], got {bias!r} for token {token}", "logit_bias")
 
     def _validate_stops(self, bad) -> None:
         if len(self.stop_strings) > MAX_STOP_STRINGS:
@@ -97,3 +125,27 @@ class SamplingParams:
             bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}", "stop_token_ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output: to a JSON schema, to any JSON object, or to a Lark grammar (llguidance's dialect, which
+    embeds JSON schemas). Compiled once per distinct value."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.json_schema is not None) + self.json_object + (self.grammar is not None) != 1:
+            raise EngineInputError("structured output needs exactly one of json_schema, json_object or grammar",
+                                   "response_format")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise EngineInputError("json_schema must be a JSON object", "response_format")
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint: the grammar cache's key."""
+        if self.grammar is not None:
+            return f"lark:{self.grammar}"
+        return json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else "{json_object}"

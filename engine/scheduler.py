@@ -87,6 +87,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._leader_still_computing_prompt(seq):
+                return
             matched = self.block_manager.match_prefix(seq.token_ids, seq.cache_salt)
             num_cached = len(matched) * self.block_manager.block_size
             num_new = min(len(seq) - num_cached, budget)
@@ -102,6 +104,13 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+
+    def _leader_still_computing_prompt(self, seq: Sequence) -> bool:
+        """A sibling of an n > 1 request waits while its leader computes their common prompt, then finds those blocks
+        in the prefix cache instead of computing them again. FCFS holds: the leader was admitted before it."""
+        leader = seq.prompt_leader
+        return (self.block_manager.enable_prefix_caching and leader is not None
+                and leader.status is SequenceStatus.RUNNING and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def _largest_chunk_that_fits(self, matched: list[int], num_cached: int) -> int:
         bm = self.block_manager

@@ -33,6 +33,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
+        self.prompt_leader: Sequence | None = None  # a sibling (n > 1) computing the same prompt: wait, then share it
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -82,6 +84,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None
     error: str | None = field(default=None)
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -45,6 +45,7 @@ class AppArgs(BaseModel):
     graceful_shutdown_timeout_s: float | None = Field(
         default=None, ge=0, description="drain on shutdown; default: request_timeout_s + 10, since no accepted "
                                         "request runs longer, so a deploy never cuts a generation short")
+    max_n: int = Field(default=8, ge=1, description="choices per request (OpenAI's n); each is an engine request")
     log_prompts: bool = Field(default=False, description="debug only: prompts and completions in logs")
 
     @field_validator("engine", mode="before")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -18,8 +17,10 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
-from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, chunk_body,
-                                       completion_body, usage)
+from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
+from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve_app.protocol import Admitted, GenerationJob, Refused
+from serve_app.responses import Choice, StreamedChoice, chunk_body, completion_body, sse, usage
 from serve_app.security import authorized, exposure_problem, needs_key
 
 log = logging.getLogger("ray.serve")
@@ -76,21 +77,29 @@ class Ingress:
         if body.model is not None and body.model != self.args.model_name:
             raise OpenAIError(404, f"model '{body.model}' does not exist; this server serves '{self.args.model_name}'",
                               "model", "model_not_found")
+        if body.n > self.args.max_n:
+            raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
         request_id = request.state.request_id
-        job = {"request_id": request_id, "prompt": prompt, "params": _sampling_params(body), "cache_salt": body.cache_salt}
+        job = _job(request_id, body, prompt)
+        parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
         created = int(time.time())
         if body.stream:
             stream, admitted = await self._call(self._retrying_lost_replicas(lambda: self._admit(job)),
                                                 self.args.request_timeout_s)
             self._raise_if_refused(admitted)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._sse(stream, request_id, created, chat, admitted["prompt_tokens"], include_usage)
+            choices = [StreamedChoice(i, chat, parse_tools, admitted.prompt_text or "") for i in range(body.n)]
+            events = self._sse(stream, request_id, created, chat, choices, admitted.prompt_tokens, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         # a replica lost for good mid-generation surfaces from _call: a 503 in the envelope, like any handle failure
-        admitted, (text, tokens, finish_reason) = await self._call(
-            self._retrying_lost_replicas(lambda: self._generate_whole(job)), self.args.request_timeout_s)
-        return JSONResponse(completion_body(request_id, self.args.model_name, text, finish_reason, chat,
-                                            usage(admitted["prompt_tokens"], tokens), created))
+        choices = [Choice(i, chat, parse_tools) for i in range(body.n)]
+        admitted, cached_tokens = await self._call(
+            self._retrying_lost_replicas(lambda: self._generate_whole(job, choices)), self.args.request_timeout_s)
+        for choice in choices:
+            choice.prefix = admitted.prompt_text or ""
+        tokens = sum(c.completion_tokens for c in choices)
+        return JSONResponse(completion_body(request_id, self.args.model_name, choices, chat,
+                                            usage(admitted.prompt_tokens, tokens, cached_tokens), created))
 
     async def _retrying_lost_replicas(self, attempt):
         """Run `attempt()` again on another replica when the one it reached is lost before anything was sent to the
@@ -106,7 +115,7 @@ class Ingress:
                 log.warning("engine replica lost before any output was sent (%s); retrying elsewhere", type(exc).__name__)
                 await asyncio.sleep(ADMISSION_BACKOFF_S * 2 ** (number - 1))
 
-    async def _admit(self, job: dict):
+    async def _admit(self, job: GenerationJob):
         """Start a generation: the stream and the replica's admission result (its first message)."""
         stream = self.engine.options(stream=True).generate.remote(job)
         try:
@@ -115,41 +124,49 @@ class Ingress:
             stream.cancel()
             raise
 
-    async def _generate_whole(self, job: dict):
-        """A non-streamed generation: (admission result, (text, tokens, finish_reason)); refusals raise."""
+    async def _generate_whole(self, job: GenerationJob, choices: list[Choice]) -> tuple[Admitted, int]:
+        """A non-streamed generation into `choices`: (admission, cached prompt tokens); refusals raise."""
         stream, admitted = await self._admit(job)
         self._raise_if_refused(admitted)
+        for choice in choices:  # a retry on another replica starts over
+            choice.text, choice.logprobs = "", None
+        cached_tokens = 0
         try:
-            return admitted, await _collect(stream)
+            async for delta in stream:
+                if delta.error:
+                    raise OpenAIError(500, f"generation failed: {delta.error}")
+                choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs)
+                cached_tokens = delta.cached_tokens if delta.index == 0 else cached_tokens
+            return admitted, cached_tokens
         except BaseException:
             stream.cancel()
             raise
 
-    def _raise_if_refused(self, admitted: dict) -> None:
-        if "error" in admitted:
-            raise OpenAIError(admitted["status"], admitted["error"]["message"], admitted["error"]["param"],
-                              admitted["error"]["code"], self.args.retry_after_s if admitted["status"] == 429 else None)
+    def _raise_if_refused(self, admitted: Admitted | Refused) -> None:
+        if isinstance(admitted, Refused):
+            raise OpenAIError(admitted.status, admitted.message, admitted.param, admitted.code,
+                              self.args.retry_after_s if admitted.status == 429 else None)
 
-    async def _sse(self, stream, request_id: str, created: int, chat: bool, prompt_tokens: int, include_usage: bool):
-        model, tokens, first = self.args.model_name, 0, True
+    async def _sse(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
+                   prompt_tokens: int, include_usage: bool):
+        model, tokens, cached_tokens = self.args.model_name, [0] * len(choices), 0
         try:
             async with asyncio.timeout(self.args.request_timeout_s):
                 async for delta in _with_keep_alive(stream, self.args.sse_keepalive_s):
                     if delta is None:
                         yield KEEP_ALIVE
                         continue
-                    if delta.get("error"):
-                        raise GenerationError(delta["error"])
-                    tokens = delta["completion_tokens"]
-                    if delta["text"] or delta["finish_reason"] or first:
-                        yield _sse(chunk_body(request_id, model, delta["text"], delta["finish_reason"], chat, created, first))
-                        first = False
+                    if delta.error:
+                        raise GenerationError(delta.error)
+                    tokens[delta.index], cached_tokens = delta.completion_tokens, delta.cached_tokens
+                    for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs):
+                        yield sse(chunk_body(request_id, model, [choice], chat, created))
             if include_usage:
-                final = chunk_body(request_id, model, "", None, chat, created)
-                final["choices"], final["usage"] = [], usage(prompt_tokens, tokens)
-                yield _sse(final)
+                final = chunk_body(request_id, model, [], chat, created)
+                final["usage"] = usage(prompt_tokens, sum(tokens), cached_tokens)
+                yield sse(final)
         except Exception as exc:  # headers are gone: report in-band, then end the stream properly
-            yield _sse(_stream_error(exc, request_id))
+            yield sse(_stream_error(exc, request_id))
         finally:
             stream.cancel()
         yield "data: [DONE]\n\n"
@@ -207,24 +224,39 @@ async def _with_keep_alive(stream, interval_s: float):
             pending.cancel()
 
 
-async def _collect(stream) -> tuple[str, int, str | None]:
-    parts, tokens, finish_reason = [], 0, None
-    async for delta in stream:
-        if delta.get("error"):
-            raise OpenAIError(500, f"generation failed: {delta['error']}")
-        parts.append(delta["text"])
-        tokens, finish_reason = delta["completion_tokens"], delta["finish_reason"]
-    return "".join(parts), tokens, finish_reason
+def _job(request_id: str, body: SamplingFields, prompt) -> GenerationJob:
+    """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
+    name the field."""
+    try:
+        return GenerationJob(request_id, prompt, _sampling_params(body), body.n, body.cache_salt, _offered_tools(body),
+                             echo=getattr(body, "echo", False))
+    except EngineInputError as exc:
+        raise OpenAIError(400, str(exc), exc.param)
 
 
-def _sampling_params(body: SamplingFields) -> dict:
-    return {"max_tokens": body.requested_max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-            "stop": body.stop, "seed": body.seed, "presence_penalty": body.presence_penalty,
-            "frequency_penalty": body.frequency_penalty, "ignore_eos": body.ignore_eos}
+def _sampling_params(body: SamplingFields) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=body.requested_max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k if body.top_k is not None else -1, min_p=body.min_p, seed=body.seed, stop=body.stop,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+        logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
+        structured_output=_structured_output(body))
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _structured_output(body: SamplingFields) -> StructuredOutput | None:
+    """response_format's constraint, or, when a tool call is forced (required or named), the grammar of one."""
+    if isinstance(body, ChatCompletionRequest) and body.effective_tool_choice in ("required", "named"):
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        return StructuredOutput(grammar=tool_calls.grammar(tools, body.forced_function, body.parallel_tool_calls))
+    return body.response_format.structured_output() if body.response_format else None
+
+
+def _offered_tools(body: SamplingFields) -> list[dict] | None:
+    if isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none":
+        return [t.model_dump(exclude_none=True) for t in body.tools]
+    return None
 
 
 def build_api(ingress: Ingress) -> FastAPI:
@@ -262,7 +294,7 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await ingress.respond(body, [m.model_dump() for m in body.messages], chat=True, request=request)
+        return await ingress.respond(body, [m.for_template() for m in body.messages], chat=True, request=request)
 
     return api
 

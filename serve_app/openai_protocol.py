@@ -1,11 +1,15 @@
-"""The OpenAI request and response shapes we accept and produce. Unknown request fields are ignored."""
+"""The OpenAI requests we accept. An OpenAI field we do not implement is refused with a 400 that names it; fields
+outside OpenAI's API (and vLLM's extensions we implement) are ignored."""
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from engine.sampling_params import MAX_LOGPROBS, StructuredOutput
+
+MAX_TOOLS = 128  # OpenAI's own bound
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +38,40 @@ def find_unencodable(value: Any, path: str = "") -> str | None:
     return None
 
 
+def refuse(field: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported", f"not supported by this server: {why}", {"path": field})
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("missing", "type json_schema needs a json_schema", {"path": "response_format.json_schema"})
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutput(json_schema=self.json_schema.schema_ or {"type": "object"})
+        return None
+
+
 class SamplingFields(BaseModel):
+    """What both endpoints share: OpenAI's sampling fields and the vLLM extensions clients send to vLLM."""
+
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -50,61 +87,199 @@ class SamplingFields(BaseModel):
     max_completion_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(default=1, ge=1, description="choices; the server's max_n bounds it")
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (as a string) -> bias in [-100, 100]")
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False  # vLLM's extension: benchmarks need fixed output lengths
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = Field(default=None, description="accepted: the prefix cache is automatic")
+    service_tier: Literal["auto", "default"] | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(default=None, description="-1 or None: off")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False  # benchmarks need fixed output lengths
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
-                                   description="vLLM's extension: prefix-cache blocks are shared only with the same salt")
+                                   description="prefix-cache blocks are shared only with the same salt")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and not all(key.isdigit() for key in value):
+            raise PydanticCustomError("token_id", "keys must be token ids, written as strings of digits", {})
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, or None when logprobs are not asked for."""
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise refuse("best_of", "best_of other than n (choices are not ranked server-side)")
+        if self.echo and self.logprobs is not None:
+            raise refuse("echo", "echo together with logprobs (logprobs of the prompt)")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_suffix(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("suffix"):
+            raise refuse("suffix", "this model has no fill-in-the-middle mode")
+        return data
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=64)
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for j, part in enumerate(value if isinstance(value, list) else ()):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise PydanticCustomError("part", "part {j}: only text parts are supported, got {kind!r}",
+                                          {"j": j, "kind": kind})
+        return value
+
+    @model_validator(mode="after")
+    def _roles_carry_their_fields(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("role", "only assistant messages carry tool_calls", {})
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "content is required (it may be null only beside tool_calls)", {})
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError("tool", "a tool message needs the tool_call_id it answers", {})
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments are enforced against `parameters` whenever a call is forced
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: dict[Literal["name"], str]
+
+
+# OpenAI chat fields this server does not implement, each refused by name when set
+UNSUPPORTED_CHAT_FIELDS = {
+    "audio": "audio output", "modalities": "output modalities other than text", "prediction": "predicted outputs",
+    "functions": "the deprecated functions field (use tools)", "function_call": "the deprecated function_call (use tool_choice)",
+    "web_search_options": "web search", "reasoning_effort": "reasoning effort (the model does not reason)",
+    "verbosity": "verbosity", "store": "stored completions",
+}
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None  # tags for stored completions; nothing is stored
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for field, why in UNSUPPORTED_CHAT_FIELDS.items():
+                value = data.get(field)
+                if value not in (None, False) and not (field == "modalities" and value == ["text"]):
+                    raise refuse(field, why)
+        return data
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    @model_validator(mode="after")
+    def _tools_fit_together(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true", {"path": "top_logprobs"})
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise PydanticCustomError("tools", "tool_choice needs tools", {"path": "tool_choice"})
+        name = self.forced_function
+        if name is not None and name not in {t.function.name for t in self.tools}:
+            raise PydanticCustomError("tools", "no tool is named '{name}'", {"path": "tool_choice", "name": name})
+        if self.tools and self.response_format is not None and self.response_format.type != "text" \
+                and self.effective_tool_choice != "none":
+            raise PydanticCustomError("tools", "response_format cannot constrain a reply that may call tools; "
+                                      "set tool_choice to none", {"path": "response_format"})
+        return self
 
+    @property
+    def effective_tool_choice(self) -> str:
+        """none | auto | required | named, as OpenAI defaults it: auto when tools are given."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, chat: bool,
-                    usage_: dict | None = None, created: int | None = None) -> dict:
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    body = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": created or int(time.time()), "model": model, "choices": [choice]}
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
 
-
-def chunk_body(request_id: str, model: str, text: str, finish_reason: str | None, chat: bool, created: int,
-               first: bool = False) -> dict:
-    if chat:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice]}
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -10,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, EngineInputError, EngineOverloadedError, SamplingParams
+from engine import AsyncLLMEngine, EngineInputError, EngineOverloadedError, RequestOutput, SamplingParams
 from engine.async_engine import RequestStream
+from engine.detokenizer import TokenTexts
+from engine.models import load_tokenizer
 from engine.metrics import StepMetrics
 from serve_app.config import AppArgs
-from serve_app.errors import envelope
+from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, TokenLogprob
 from serve_app.metrics import RaySink
 
 log = logging.getLogger("ray.serve")
@@ -32,6 +35,7 @@ class EngineReplica:
         # shareable across threads), so streams on this replica keep flowing meanwhile.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.engine = AsyncLLMEngine(args.engine)
+        self._token_texts = TokenTexts(load_tokenizer(args.engine))  # logprobs' token texts and echo, on the event loop
         self._warm_up()
         self.engine.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.engine.start()
@@ -49,50 +53,74 @@ class EngineReplica:
             llm.step()
 
     @serve.batch(max_batch_size=ADMISSION_BATCH_SIZE, batch_wait_timeout_s=ADMISSION_WAIT_S)
-    async def _admit(self, requests: list[dict]) -> list[tuple[RequestStream, int] | dict]:
-        prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize_all, requests)
-        return [self._enqueue(r, p) for r, p in zip(requests, prompts)]  # one bad request must not fail its batch-mates
+    async def _admit(self, jobs: list[GenerationJob]) -> list[tuple[list[RequestStream], list[int]] | Refused]:
+        prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize_all, jobs)
+        return [self._enqueue(job, p) for job, p in zip(jobs, prompts)]  # one bad request must not fail its batch-mates
 
-    def _tokenize_all(self, requests: list[dict]) -> list[list[int] | dict]:
-        return [self._tokenize(r) for r in requests]
+    def _tokenize_all(self, jobs: list[GenerationJob]) -> list[list[int] | Refused]:
+        return [self._tokenize(job) for job in jobs]
 
-    def _tokenize(self, request: dict) -> list[int] | dict:
+    def _tokenize(self, job: GenerationJob) -> list[int] | Refused:
         try:
-            return self.engine.engine.tokenize(request["prompt"])
+            return self.engine.engine.tokenize(job.prompt, job.tools)
         except Exception as exc:
-            return _refusal(exc, request)
+            return _refusal(exc, job)
 
-    def _enqueue(self, request: dict, token_ids: list[int] | dict) -> tuple[RequestStream, int] | dict:
-        if isinstance(token_ids, dict):
+    def _enqueue(self, job: GenerationJob, token_ids: list[int] | Refused) -> tuple[list[RequestStream], list[int]] | Refused:
+        """One engine request per choice; the later ones share the first one's prompt blocks. All or none."""
+        if isinstance(token_ids, Refused):
             return token_ids
+        streams: list[RequestStream] = []
         try:
-            # Serve may retry a request under the same public id; an abort queued for the old attempt must never
-            # hit the new one, so the engine sees an id of its own per attempt.
-            engine_id = f"{request['request_id']}#{uuid.uuid4().hex[:12]}"
-            params = SamplingParams(**request["params"])
-            stream = self.engine.add_request(engine_id, token_ids, params, cache_salt=request.get("cache_salt"))
-            return stream, len(token_ids)
+            for index in range(job.n):
+                # Serve may retry a request under the same public id; an abort queued for the old attempt must never
+                # hit the new one, so the engine sees an id of its own per attempt.
+                engine_id = f"{job.request_id}#{uuid.uuid4().hex[:12]}"
+                leader = streams[0].request_id if streams else None
+                streams.append(self.engine.add_request(engine_id, token_ids, _choice_params(job.params, index),
+                                                       cache_salt=job.cache_salt, prompt_leader=leader))
+            return streams, token_ids
         except Exception as exc:
-            return _refusal(exc, request)
+            for stream in streams:
+                self.engine.engine.abort(stream.request_id)
+            return _refusal(exc, job)
 
-    async def generate(self, request: dict):
-        """Streams: first {"admitted": ...} or an error, then {"text", "completion_tokens", "finish_reason"} deltas."""
-        admitted = await self._admit(request)
-        if isinstance(admitted, dict):
+    async def generate(self, job: GenerationJob):
+        """Streams: first Admitted or Refused, then Deltas, each for one choice."""
+        admitted = await self._admit(job)
+        if isinstance(admitted, Refused):
             yield admitted
             return
-        stream, num_prompt_tokens = admitted
+        streams, prompt_ids = admitted
         if self.args.log_prompts:
-            log.info("request %s prompt=%r", request["request_id"], request["prompt"])
+            log.info("request %s prompt=%r", job.request_id, job.prompt)
         try:
-            yield {"admitted": True, "prompt_tokens": num_prompt_tokens}
-            async for first in stream:
-                outputs = [first, *stream.ready()]  # coalesce what is already there: fewer, fuller chunks
-                last = outputs[-1]
-                yield {"text": "".join(o.delta_text for o in outputs), "completion_tokens": len(last.token_ids),
-                       "finish_reason": last.finish_reason, "error": last.error}
+            yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None)
+            sent_tokens = [0] * len(streams)
+            async for index, outputs in _each_choice(streams):
+                yield self._delta(index, outputs, sent_tokens[index], job.params.logprobs)
+                sent_tokens[index] = len(outputs[-1].token_ids)
         finally:
-            await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
+            for stream in streams:
+                await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
+
+    def _delta(self, index: int, outputs: list[RequestOutput], sent_tokens: int, top_logprobs: int | None) -> Delta:
+        last = outputs[-1]
+        logprobs = None
+        if top_logprobs is not None and last.logprobs is not None:
+            logprobs = [self._token_logprob(token, entry, top_logprobs)
+                        for token, entry in zip(last.token_ids[sent_tokens:], last.logprobs[sent_tokens:])]
+        return Delta(index, "".join(o.delta_text for o in outputs), len(last.token_ids), last.finish_reason,
+                     last.error, logprobs, last.num_cached_tokens)
+
+    def _token_logprob(self, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
+        """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked."""
+        text, raw = self._token_texts(token)
+        ranked = []
+        for other, logprob in sorted(entry.items(), key=lambda item: -item[1])[:top]:
+            other_text, other_raw = self._token_texts(other)
+            ranked.append((other_text, logprob, other_raw))
+        return TokenLogprob(text, entry[token], raw, ranked)
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.placement, "time": time.time(),
@@ -114,14 +142,52 @@ class EngineReplica:
             engine.shutdown(timeout=1.0)
 
 
-def _refusal(exc: Exception, request: dict) -> dict:
+def _refusal(exc: Exception, job: GenerationJob) -> Refused:
     """An admission refused: statuses are the ingress's to send, this says which and why."""
     if isinstance(exc, EngineInputError):
-        return {"status": 400, **envelope(400, str(exc), exc.param)}
+        return Refused(400, str(exc), exc.param)
     if isinstance(exc, EngineOverloadedError):
-        return {"status": 429, **envelope(429, str(exc), code="overloaded")}
-    log.error("admission failed for %s", request.get("request_id"), exc_info=exc)  # never crash the replica on one request
-    return {"status": 500, **envelope(500, f"admission failed: {type(exc).__name__}")}
+        return Refused(429, str(exc), code="overloaded")
+    log.error("admission failed for %s", job.request_id, exc_info=exc)  # never crash the replica on one request
+    return Refused(500, f"admission failed: {type(exc).__name__}")
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of a seeded request draws from seed + i (as vLLM does): the same seed repeats, choices differ."""
+    return params if index == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+
+
+async def _each_choice(streams: list[RequestStream]):
+    """(choice index, outputs ready now) as they arrive, across every choice's stream; a lone stream directly."""
+    if len(streams) == 1:
+        async for first in streams[0]:
+            yield 0, [first, *streams[0].ready()]  # coalesce what is already there: fewer, fuller chunks
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for first in stream:
+                queue.put_nowait((index, [first, *stream.ready()]))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def effective_engine_settings(engine) -> dict:

@@ -1,0 +1,81 @@
+"""Chat messages to prompt text through the model's chat template.
+
+Content may be a string or a list of text parts (joined with newlines, as vLLM does). Assistant turns may carry
+`tool_calls` with no content, and `tool` turns answer them. Templates that know tools get them natively; for the
+others (SmolLM2's among them) the tools go into the system prompt and calls and results are written in the Hermes
+format of engine/tool_calls.py.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine import tool_calls
+from engine.errors import EngineInputError
+
+Messages = list[dict[str, Any]]
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def normalize(messages: Messages) -> Messages:
+    """Messages with string content, checked; EngineInputError naming the first bad field."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise EngineInputError(f"messages[{i}] must be an object", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise EngineInputError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", "messages")
+        calls = message.get("tool_calls") or None
+        if calls is not None and role != "assistant":
+            raise EngineInputError(f"messages[{i}].tool_calls: only assistant messages carry tool calls", "messages")
+        content = _content_text(message.get("content"), i, may_be_empty=calls is not None)
+        out.append({**message, "content": content, **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _content_text(content: Any, index: int, may_be_empty: bool) -> str:
+    if content is None and may_be_empty:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise EngineInputError(f"messages[{index}].content[{j}]: only text parts are supported, got {kind!r}",
+                                       "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise EngineInputError(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def render(tokenizer, messages: Messages, tools: list[dict] | None = None) -> str:
+    """Prompt text for normalized messages, ending where the assistant's answer begins."""
+    template = tokenizer.chat_template or ""
+    native_tools = "tools" in template
+    if "developer" not in template:  # OpenAI's newer name for the system role
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    if not ("tool_calls" in template and native_tools):
+        messages = [_as_plain_turn(m) for m in messages]
+    if tools and not native_tools:
+        messages = _with_tools_in_system_prompt(messages, tools)
+    return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def _as_plain_turn(message: dict) -> dict:
+    """A tool call or result as text, for templates that only render role and content."""
+    if message.get("tool_calls"):
+        text = tool_calls.as_text(message["tool_calls"])
+        return {"role": "assistant", "content": f"{message['content']}\n{text}" if message["content"] else text}
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    return {key: message[key] for key in ("role", "content", "name") if message.get(key) is not None}
+
+
+def _with_tools_in_system_prompt(messages: Messages, tools: list[dict]) -> Messages:
+    prompt = tool_calls.system_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]

@@ -1,0 +1,81 @@
+"""Structured output on llguidance: a JSON schema, any JSON object or a Lark grammar becomes a token mask for the
+sampler.
+
+Each distinct constraint is compiled once into a template matcher; a request gets a cheap deep copy (tens of
+microseconds). A mask costs about 0.1-0.2 ms a token on this CPU, computed only for the rows that carry a grammar,
+and applied inside the batched sampler, so other requests in the step pay nothing for it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from engine.errors import EngineInputError
+from engine.sampling_params import StructuredOutput
+
+# json.dumps's separators: what models write unprompted. Fixed whitespace also keeps a small model from looping on
+# newlines inside an object, which flexible whitespace allows.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_JSON_OBJECT = {"type": "object"}
+BITS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarCompiler:
+    """Compiles constraints against the model's tokenizer, caching the last `cache_size` distinct ones. Thread-safe:
+    requests are validated on callers' threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 128):
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self._ll_tokenizer = None  # built on first use: it takes about a second
+        self._templates: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def matcher(self, spec: StructuredOutput):
+        """A fresh matcher at the start of `spec`'s grammar; EngineInputError if the schema cannot compile."""
+        with self._lock:
+            template = self._templates.get(spec.key)
+            if template is None:
+                template = self._compile(spec)
+                self._templates[spec.key] = template
+                if len(self._templates) > self.cache_size:
+                    self._templates.popitem(last=False)
+            else:
+                self._templates.move_to_end(spec.key)
+            return template.deep_copy()
+
+    def _compile(self, spec: StructuredOutput):
+        import llguidance.hf
+        from llguidance import LLMatcher
+
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+        try:
+            if spec.grammar is not None:
+                grammar = LLMatcher.grammar_from_lark(spec.grammar)
+            else:
+                grammar = LLMatcher.grammar_from_json_schema(spec.json_schema or ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise EngineInputError(f"response_format: the JSON schema is not valid JSON ({exc})", "response_format")
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
+        if is_error:
+            raise EngineInputError(f"response_format: the constraint cannot be compiled: {messages[0]}", "response_format")
+        return LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+
+
+def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor | None:
+    """bool [rows, vocab]: which tokens each row's grammar allows next (every token for rows without one), or None
+    when no row has a grammar."""
+    if all(m is None for m in matchers):
+        return None
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    bitmask = allocate_token_bitmask(len(matchers), vocab_size)  # all ones: unconstrained
+    for row, matcher in enumerate(matchers):
+        if matcher is not None:
+            fill_next_token_bitmask(matcher, bitmask, row)
+    bits = (bitmask[:, :, None] >> BITS) & 1
+    return bits.view(len(matchers), -1)[:, :vocab_size].bool()

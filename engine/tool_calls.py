@@ -1,0 +1,97 @@
+"""Tool calls in the Hermes format that Qwen2.5, Hermes and many fine-tunes emit:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+One format everywhere: the system prompt that describes the tools (for chat templates with no tool support of their
+own), the grammar that forces a call (tool_choice required or a named function), and the parser that turns output
+text back into calls. SmolLM2's own tuning wraps a JSON list in the same tags, which the parser also reads.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+# the separators JSON_OPTIONS in structured_output.py uses too, so forced and free calls read the same
+X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+def system_prompt(tools: list[dict]) -> str:
+    """The tools and the call format, for a chat template that cannot render `tools` itself."""
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("You may call one or more functions to assist with the user query. You are provided with function "
+            f"signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            f"{OPEN}{CLOSE} XML tags:\n{OPEN}\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n' + CLOSE)
+
+
+def as_text(tool_calls: list[dict]) -> str:
+    """An assistant turn's OpenAI `tool_calls`, written the way the model is asked to write them."""
+    blocks = []
+    for call in tool_calls:
+        function = call["function"]
+        arguments = function.get("arguments") or "{}"
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            pass  # kept as the string the client sent
+        blocks.append(f"{OPEN}\n{json.dumps({'name': function['name'], 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}")
+    return "\n".join(blocks)
+
+
+def grammar(tools: list[dict], only: str | None = None, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's dialect) whose every output is one call (or, with `parallel`, several) to
+    `only` or to any of `tools`, with arguments valid against the function's JSON schema."""
+    functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
+             for f in functions]
+    schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    schema = {**schema, "x-guidance": X_GUIDANCE}
+    repeat = ' ("\\n" block)*' if parallel and only is None else ""
+    return (f"start: block{repeat}\n"
+            f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
+            f"call: %json {json.dumps(schema)}\n")
+
+
+def parse(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a model's output: the text before the first call is the content (None if blank). Output
+    with no well-formed call is all content, with no calls."""
+    calls = []
+    for match in BLOCK.finditer(text):
+        try:
+            payload = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        for item in payload if isinstance(payload, list) else [payload]:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return text, []
+            arguments = item.get("arguments", item.get("parameters", {}))
+            calls.append(ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    if not calls:
+        return text, []
+    content = text[: text.index(OPEN)].strip()
+    return content or None, calls
+
+
+def safe_content_length(text: str) -> int:
+    """How much of streamed text is surely content: everything before a call's opening tag, or before a suffix that
+    could still grow into one. The rest is held back until the output is complete."""
+    if OPEN in text:
+        return text.index(OPEN)
+    for keep in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)

@@ -1,0 +1,53 @@
+"""The messages between the ingress and an engine replica: a job in, then an admission (or a refusal) and deltas out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import SamplingParams
+
+
+@dataclass
+class GenerationJob:
+    request_id: str
+    prompt: str | list[int] | list[dict[str, Any]]
+    params: SamplingParams
+    n: int = 1  # choices; each is its own engine request sharing the prompt's KV blocks
+    cache_salt: str | None = None
+    tools: list[dict[str, Any]] | None = None  # offered to the model through the chat template
+    echo: bool = False  # completions: the prompt's text comes back in Admitted
+
+
+@dataclass
+class Admitted:
+    prompt_tokens: int
+    prompt_text: str | None = None  # the prompt as text, for completions' echo
+
+
+@dataclass
+class Refused:
+    status: int  # the HTTP status the ingress sends
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]] = field(default_factory=list)  # most likely first
+
+
+@dataclass
+class Delta:
+    """What is new for one choice since its last delta."""
+
+    index: int
+    text: str
+    completion_tokens: int  # cumulative, for usage
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    cached_tokens: int = 0

@@ -1,0 +1,143 @@
+"""The OpenAI response shapes we produce: whole completions, stream chunks, usage, logprobs and tool calls."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine import tool_calls
+from serve_app.protocol import TokenLogprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    def one(token: str, logprob: float, raw: list[int]) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": raw}
+
+    return {"content": [{**one(e.token, e.logprob, e.bytes), "top_logprobs": [one(*t) for t in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
+    offsets = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token: logprob for token, logprob, _ in e.top} for e in entries], "text_offset": offsets}
+
+
+def tool_call_list(calls: list[tool_calls.ToolCall]) -> list[dict]:
+    return [{"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+
+
+@dataclass
+class Choice:
+    """One choice as it accumulates; `to_json` gives it as the non-streamed response has it."""
+
+    index: int
+    chat: bool
+    parse_tool_calls: bool = False
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prefix: str = ""  # completions' echo
+
+    def add(self, text: str, completion_tokens: int, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> None:
+        self.text += text
+        self.completion_tokens, self.finish_reason = completion_tokens, finish_reason
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+
+    def to_json(self) -> dict:
+        if not self.chat:
+            text = self.prefix + self.text
+            logprobs = completion_logprobs(self.logprobs, len(self.prefix)) if self.logprobs is not None else None
+            return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        content, calls = tool_calls.parse(self.text) if self.parse_tool_calls else (self.text, [])
+        message = {"role": "assistant", "content": content}
+        finish_reason = self.finish_reason
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_call_list(calls)]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        logprobs = chat_logprobs(self.logprobs) if self.logprobs is not None else None
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(request_id: str, model: str, choices: list[Choice], chat: bool, usage_: dict,
+                    created: int | None = None) -> dict:
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": created or int(time.time()), "model": model, "choices": [c.to_json() for c in choices],
+            "usage": usage_}
+
+
+@dataclass
+class StreamedChoice:
+    """One choice of a stream: turns deltas into chunk choices. With tools, text that may be a tool call is held
+    back until the choice ends, then sent as tool_calls deltas (or as content, if it was none)."""
+
+    index: int
+    chat: bool
+    parse_tool_calls: bool = False
+    prefix: str = ""  # completions' echo: sent with the first chunk
+    started: bool = False
+    text: str = ""
+    sent: int = 0
+    text_offset: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> list[dict]:
+        """The chunk choices this delta makes (none while held back, unless it starts or ends the choice)."""
+        self.text += text
+        self.pending_logprobs += logprobs or []
+        visible = tool_calls.safe_content_length(self.text) if self.parse_tool_calls else len(self.text)
+        if finish_reason is not None:
+            return self._final(finish_reason)
+        if visible > self.sent or not self.started:
+            new, self.sent = self.text[self.sent:visible], max(self.sent, visible)
+            return [self._choice(new, None, logprobs=logprobs is not None)]
+        return []
+
+    def _final(self, finish_reason: str) -> list[dict]:
+        held = self.text[self.sent:]
+        self.sent = len(self.text)
+        calls = tool_calls.parse(held)[1] if self.parse_tool_calls else []
+        if not calls:
+            return [self._choice(held, finish_reason, logprobs=True)]
+        content = tool_calls.parse(held)[0]
+        out = [self._choice(content, None, logprobs=True)] if content or not self.started else []
+        out.append({"index": self.index, "delta": {"tool_calls": tool_call_list(calls)}, "logprobs": None,
+                    "finish_reason": None})
+        out.append({"index": self.index, "delta": {}, "logprobs": None,
+                    "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason})
+        return out
+
+    def _choice(self, text: str, finish_reason: str | None, logprobs: bool) -> dict:
+        entries, self.pending_logprobs = self.pending_logprobs, []
+        first, self.started = not self.started, True
+        if not self.chat:
+            text = (self.prefix if first else "") + text
+            offset = self.text_offset + (len(self.prefix) if first else 0)
+            self.text_offset += len(text)
+            lp = completion_logprobs(entries, offset) if logprobs and entries else None
+            return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        lp = chat_logprobs(entries) if logprobs and entries else None
+        return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+
+def chunk_body(request_id: str, model: str, choices: list[dict], chat: bool, created: int) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices}
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
