@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.sampler import Sampler, inverse_cdf, make_generator
+from engine.sampler import INVALID_TOKEN, Sampler, inverse_cdf, make_generator
 from engine.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -47,6 +47,43 @@ def test_penalties_push_repeated_tokens_down():
     assert set(draws(SamplingParams(temperature=0.0, presence_penalty=1.5), n=3, history=[0])) == {1}  # 4-1.5 < 3
 
 
+def test_logit_bias_moves_tokens_and_bans_and_masks_exclude_them():
+    sampler = Sampler()
+    greedy = SamplingParams(temperature=0.0, logit_bias={7: 100.0})
+    assert sampler(LOGITS, [greedy], [None], [[]])[0] == [7]
+    assert sampler(LOGITS, [SamplingParams(temperature=0.0, logit_bias={0: -100.0})], [None], [[]])[0] == [1]
+    assert sampler(LOGITS, [SamplingParams(temperature=0.0)], [None], [[]], banned_token_ids=[{0, 1}])[0] == [2]
+    allowed = torch.zeros(1, VOCAB, dtype=torch.bool)
+    allowed[0, [3, 5]] = True
+    params = SamplingParams(temperature=1.0, seed=4, logprobs=0)
+    g = make_generator(params, torch.device("cpu"))
+    picks = [sampler(LOGITS, [params], [g], [[]], allowed=allowed) for _ in range(200)]
+    assert {tokens[0] for tokens, _ in picks} == {3, 5}
+    token, entry = picks[0][0][0], picks[0][1][0]
+    assert entry[token] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[token]))  # the model's own logprob
+
+
+def test_a_row_with_nothing_allowed_is_invalid_and_its_batch_mates_are_not():
+    allowed = torch.ones(2, VOCAB, dtype=torch.bool)
+    allowed[0] = False
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, seed=1)] * 2
+        tokens, _ = Sampler()(LOGITS.repeat(2, 1), params, [make_generator(p, torch.device("cpu")) for p in params],
+                              [[], []], allowed=allowed)
+        assert tokens[0] == INVALID_TOKEN and 0 <= tokens[1] < VOCAB
+
+
+def test_repetition_penalty_follows_transformers_over_prompt_and_output():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 3
+    prompt, output = [3, 4, 4, 9], [9, 20]
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits.clone())
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.7)
+    got = Sampler._apply_penalties(logits.clone(), [params], [output], [prompt])
+    torch.testing.assert_close(got, expected)
+
+
 def test_logprobs_are_returned_for_the_chosen_and_top_tokens():
     sampler = Sampler()
     _, logprobs = sampler(LOGITS, [SamplingParams(temperature=0.0, logprobs=2)], [None], [[]])
@@ -86,7 +123,6 @@ def test_the_two_level_inverse_cdf_lands_on_the_token_whose_mass_holds_the_draw(
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from engine.sampler import INVALID_TOKEN  # noqa: E402
 
 SPECIAL = [float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38, 0.0, 1e-45]
 logit_values = st.one_of(st.floats(-1e4, 1e4, allow_nan=False), st.sampled_from(SPECIAL))
@@ -97,6 +133,7 @@ params_strategy = st.builds(
     top_k=st.one_of(st.just(-1), st.integers(1, 40)),
     min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
     presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.one_of(st.just(1.0), st.floats(0.01, 2.0)),
     seed=st.integers(-(2**63), 2**64 - 1), logprobs=st.one_of(st.none(), st.integers(0, 5)),
 )
 

@@ -146,3 +146,33 @@ def test_abort_frees_blocks_at_once():
     assert engine.bm.num_free_blocks < 16
     engine.scheduler.finish(s, "abort")
     assert engine.bm.num_free_blocks == 16 and s.finish_reason == "abort"
+
+
+def test_a_sibling_waits_for_its_leaders_prompt_then_shares_its_blocks():
+    engine = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=8)
+    prompt = list(range(20))
+    leader = engine.add("a", prompt, max_tokens=3)
+    sibling = engine.add("b", prompt, max_tokens=3)
+    sibling.prompt_leader = leader
+    engine.step()  # the leader's first chunk of 8: the sibling must not compute the same tokens beside it
+    assert sibling.status is SequenceStatus.WAITING and leader.num_computed_tokens == 8
+    while leader.num_computed_tokens < leader.num_prompt_tokens:
+        engine.step()
+        assert sibling.status is SequenceStatus.WAITING or leader.num_computed_tokens >= leader.num_prompt_tokens
+    engine.step()
+    assert sibling.status is SequenceStatus.RUNNING
+    assert sibling.num_cached_tokens == 16 and sibling.block_table[:4] == leader.block_table[:4]
+    while engine.scheduler.num_unfinished:
+        engine.step()
+    assert engine.bm.num_free_blocks == 64
+
+
+def test_a_sibling_does_not_wait_for_a_preempted_leader():
+    engine = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=8)
+    leader = engine.add("a", list(range(20)), max_tokens=3)
+    sibling = engine.add("b", list(range(20)), max_tokens=3)
+    sibling.prompt_leader = leader
+    engine.step()
+    engine.scheduler.preempt(leader)  # back at the head of the queue, so it runs first anyway
+    engine.step()
+    assert leader.status is SequenceStatus.RUNNING

@@ -1,0 +1,44 @@
+"""Chat messages through the embedded model's template: text parts, tool turns, tools in the system prompt."""
+import json
+
+import pytest
+
+from engine import EngineConfig, EngineInputError
+from engine.chat import normalize, render
+from engine.models import load_tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EngineConfig())
+
+
+def test_text_parts_render_as_their_joined_text(tokenizer):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert render(tokenizer, normalize(parts)) == render(tokenizer, [{"role": "user", "content": "a\nb"}])
+
+
+def test_other_part_types_are_refused_by_position():
+    with pytest.raises(EngineInputError, match=r"messages\[0\]\.content\[1\]: only text parts.*image_url"):
+        normalize([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}])
+
+
+def test_tools_go_into_the_system_prompt_and_tool_turns_are_written_out(tokenizer):
+    messages = normalize([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}])
+    text = render(tokenizer, messages, [WEATHER])
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou may call one or more functions")
+    assert json.loads(text.split("<tools>\n")[1].split("\n</tools>")[0]) == WEATHER
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\ncold\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_developer_role_renders_as_system(tokenizer):
+    assert render(tokenizer, normalize([{"role": "developer", "content": "x"}])).startswith("<|im_start|>system\nx")

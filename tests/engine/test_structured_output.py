@@ -1,0 +1,57 @@
+"""Structured output in the engine (fp32): schema-valid JSON, forced tool calls, compile errors as input errors,
+and batch mates untouched."""
+import json
+
+import pytest
+
+from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
+
+pytestmark = pytest.mark.slow
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}}}
+ASK = [{"role": "user", "content": "Invent a person."}]
+PLAIN = [{"role": "user", "content": "Describe the sea."}]
+
+
+def test_schema_output_parses_and_leaves_batch_mates_alone(llm32):
+    plain = SamplingParams(max_tokens=24, temperature=0.0)
+    constrained = SamplingParams(max_tokens=60, temperature=0.0, structured_output=StructuredOutput(json_schema=PERSON))
+    (alone,) = llm32.chat([PLAIN], plain, use_tqdm=False)
+    person, mate = llm32.chat([ASK, PLAIN], [constrained, plain], use_tqdm=False)
+    value = json.loads(person.text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int) and person.finish_reason == "stop"
+    assert mate.token_ids == alone.token_ids
+    stats = llm32.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_sampled_output_keeps_to_the_schema_too(llm32):
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, structured_output=StructuredOutput(json_schema=PERSON))
+              for s in range(4)]
+    for out in llm32.chat([ASK] * 4, params, use_tqdm=False):
+        if out.finish_reason == "stop":
+            assert set(json.loads(out.text)) == {"name", "age"}
+        else:
+            assert out.text.startswith('{"name": "')
+
+
+def test_a_forced_tool_call_has_arguments_valid_for_its_function(llm32):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+        "additionalProperties": False}}}]
+    params = SamplingParams(max_tokens=40, temperature=0.0,
+                            structured_output=StructuredOutput(grammar=tool_calls.grammar(tools, "add")))
+    (out,) = llm32.chat([[{"role": "user", "content": "What is 2 plus 3?"}]], params, use_tqdm=False)
+    _, (call,) = tool_calls.parse(out.text)
+    assert call.name == "add" and set(json.loads(call.arguments)) == {"a", "b"}
+
+
+def test_a_schema_that_cannot_compile_is_an_input_error_and_compiles_are_cached(llm32):
+    with pytest.raises(EngineInputError, match="response_format"):
+        llm32.engine.add_request("bad-schema", "hi", SamplingParams(
+            structured_output=StructuredOutput(json_schema={"type": "nonsense"})))
+    compiler = llm32.engine.grammars
+    before = len(compiler._templates)
+    for _ in range(2):
+        compiler.matcher(StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "integer"}}}))
+    assert len(compiler._templates) == before + 1
