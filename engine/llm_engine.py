@@ -19,7 +19,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
 from engine.host_memory import keep_freed_memory
 from engine.metrics import StepMetrics
-from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.model_runner import ModelRunner, PromptLogits, kv_bytes_per_block
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.sampler import INVALID_TOKEN, Sampler, make_generator
 from engine.sampling_params import SamplingParams
@@ -49,6 +49,7 @@ class OutputState:
     error: str | None = None
     stop_holdback: int = 0
     grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
 
 
 class LLMEngine:
@@ -129,7 +130,7 @@ class LLMEngine:
         self.runner.kv_cache = self.runner.allocate_kv_cache(blocks)
         warm = Sequence("warmup", [0] * self.config.max_num_batched_tokens, SamplingParams(max_tokens=1))
         warm.block_table = list(range(blocks))
-        self.runner.execute([warm], [len(warm)])
+        self.runner.execute([warm], [len(warm)])  # noqa: the logits are not needed, only the memory peak
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
@@ -203,6 +204,7 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
             grammar=grammar,
+            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
         )
         with self._inbox_lock:
             if request_id in self.sequences:
@@ -335,7 +337,9 @@ class LLMEngine:
         return outputs
 
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        sampling_seqs, logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        sampling_seqs, logits, prompt_logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        for part in prompt_logits:
+            self._record_prompt_logprobs(part)
         params = [seq.params for seq in sampling_seqs]
         tokens, logprobs = self.sampler(
             logits,
@@ -363,6 +367,13 @@ class LLMEngine:
                 continue
             outputs.append(self._output(seq))
         return outputs
+
+    def _record_prompt_logprobs(self, part: PromptLogits) -> None:
+        """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""
+        seq, first = part.seq, part.first_position
+        targets = seq.token_ids[first : first + part.logits.shape[0]]
+        entries = self.sampler.prompt_logprobs(part.logits, targets, seq.params.prompt_logprobs)
+        seq.runtime.prompt_logprobs[first : first + len(entries)] = entries
 
     def _not_yet_allowed(self, seq: Sequence) -> tuple[int, ...] | set[int]:
         """Before min_tokens, the tokens that would end the request."""
@@ -446,6 +457,7 @@ class LLMEngine:
             logprobs=state.logprobs,
             error=state.error,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            prompt_logprobs=state.prompt_logprobs,
         )
         state.sent_text_len, state.sent_token_len = visible, len(output_ids)
         return out

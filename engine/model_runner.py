@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
@@ -9,6 +10,15 @@ from engine.models import Model
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptLogits:
+    """Logits predicting prompt tokens first_position, first_position + 1, ... of `seq`."""
+
+    seq: Sequence
+    first_position: int
+    logits: torch.Tensor
 
 
 def kv_geometry(hf_config) -> tuple[int, int, int]:
@@ -54,14 +64,21 @@ class ModelRunner:
         return self.kv_cache.shape[3]
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step. Returns the sequences that sample a token now, and their logits [n, vocab]."""
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]
+                ) -> tuple[list[Sequence], torch.Tensor, list[PromptLogits]]:
+        """Run one step. Returns the sequences that sample a token now and their logits [n, vocab], and the logits
+        of the prompt positions computed now for sequences that asked for prompt logprobs."""
         order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
         seqs = [seqs[i] for i in order]
         num_new_tokens = [num_new_tokens[i] for i in order]
         input_ids, positions, slots, last_indices, sampling_seqs = [], [], [], [], []
+        prompt_indices, prompt_spans = [], []
         for seq, num_new in zip(seqs, num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            if seq.params.prompt_logprobs is not None:  # positions predicting a prompt token (not the first output)
+                rows = range(len(input_ids), len(input_ids) + max(0, min(end, seq.num_prompt_tokens - 1) - start))
+                prompt_spans.append((seq, start + 1, len(prompt_indices), len(rows)))
+                prompt_indices.extend(rows)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(seq.block_table, start, end))
@@ -69,8 +86,11 @@ class ModelRunner:
                 last_indices.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
         meta = self._metadata(seqs, num_new_tokens, slots)
-        logits = self.model(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_indices))
-        return sampling_seqs, logits
+        logits = self.model(self._tensor(input_ids), self._tensor(positions), meta,
+                            self._tensor(last_indices + prompt_indices))
+        sampled, prompt = logits[: len(last_indices)], logits[len(last_indices):]
+        return sampling_seqs, sampled, [PromptLogits(seq, first, prompt[offset : offset + count])
+                                        for seq, first, offset, count in prompt_spans if count]
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

@@ -151,6 +151,18 @@ class Sampler:
         return torch.log_softmax(logits, dim=-1)
 
     @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
+        """Per row, the logprob of its target token and of the `top` most likely, from the model's own logits."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
+        entries = [{token: value} for token, value in zip(targets, chosen)]
+        if top:
+            best = logprobs.topk(top, dim=-1)
+            for entry, ids, values in zip(entries, best.indices.tolist(), best.values.tolist()):
+                entry.update(zip(ids, values))
+        return entries
+
+    @staticmethod
     def _pick_logprobs(logprobs, tokens, params) -> list[dict[int, float] | None]:
         if logprobs is None:
             return [None] * len(tokens)

@@ -42,6 +42,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # like logprobs, for every prompt token but the first; skips the prefix cache
     repetition_penalty: float = 1.0  # HF's rule over prompt and output tokens: positive logits divided, negative multiplied
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings are held off until this many tokens exist
     logit_bias: dict[int, float] | None = None  # added to the logits before anything else
@@ -71,7 +72,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
-        for name in ("max_tokens", "seed", "logprobs", "min_tokens"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
             if getattr(self, name) is not None and not _is_int(getattr(self, name)):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}", name)
         if not _is_int(self.top_k):
@@ -93,6 +94,8 @@ class SamplingParams:
             bad(f"seed must be a 64-bit integer, in [-2**63, 2**64), got {self.seed}", "seed")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}", "prompt_logprobs")
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}", "repetition_penalty")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):

@@ -89,7 +89,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self._leader_still_computing_prompt(seq):
                 return
-            matched = self.block_manager.match_prefix(seq.token_ids, seq.cache_salt)
+            # prompt logprobs need the logits of every prompt position: nothing may come from the cache
+            matched = [] if seq.params.prompt_logprobs is not None else self.block_manager.match_prefix(
+                seq.token_ids, seq.cache_salt)
             num_cached = len(matched) * self.block_manager.block_size
             num_new = min(len(seq) - num_cached, budget)
             if not self.block_manager.can_allocate(matched, num_cached + num_new):

@@ -85,6 +85,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     error: str | None = field(default=None)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position, when asked for
 
     @property
     def num_prompt_tokens(self) -> int:

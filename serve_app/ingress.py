@@ -135,7 +135,8 @@ class Ingress:
             async for delta in stream:
                 if delta.error:
                     raise OpenAIError(500, f"generation failed: {delta.error}")
-                choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs)
+                choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs,
+                                         delta.prompt_logprobs)
                 cached_tokens = delta.cached_tokens if delta.index == 0 else cached_tokens
             return admitted, cached_tokens
         except BaseException:
@@ -159,7 +160,8 @@ class Ingress:
                     if delta.error:
                         raise GenerationError(delta.error)
                     tokens[delta.index], cached_tokens = delta.completion_tokens, delta.cached_tokens
-                    for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs):
+                    for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs,
+                                                              delta.prompt_logprobs):
                         yield sse(chunk_body(request_id, model, [choice], chat, created))
             if include_usage:
                 final = chunk_body(request_id, model, [], chat, created)
@@ -241,6 +243,7 @@ def _sampling_params(body: SamplingFields) -> SamplingParams:
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+        prompt_logprobs=body.num_logprobs if getattr(body, "echo", False) else None,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
         structured_output=_structured_output(body))
 

@@ -137,8 +137,6 @@ class CompletionRequest(SamplingFields):
     def _refuse_unsupported(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
             raise refuse("best_of", "best_of other than n (choices are not ranked server-side)")
-        if self.echo and self.logprobs is not None:
-            raise refuse("echo", "echo together with logprobs (logprobs of the prompt)")
         return self
 
     @model_validator(mode="before")

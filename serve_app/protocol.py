@@ -35,7 +35,7 @@ class Refused:
 @dataclass
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None for a prompt's first token, which nothing predicts
     bytes: list[int]
     top: list[tuple[str, float, list[int]]] = field(default_factory=list)  # most likely first
 
@@ -51,3 +51,4 @@ class Delta:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: on a choice's first delta

@@ -96,10 +96,13 @@ class EngineReplica:
             log.info("request %s prompt=%r", job.request_id, job.prompt)
         try:
             yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None)
-            sent_tokens = [0] * len(streams)
+            sent_tokens: list[int | None] = [None] * len(streams)  # None: nothing sent yet
             async for index, outputs in _each_choice(streams):
-                yield self._delta(index, outputs, sent_tokens[index], job.params.logprobs)
+                delta = self._delta(index, outputs, sent_tokens[index] or 0, job.params.logprobs)
+                if sent_tokens[index] is None and job.params.prompt_logprobs is not None:
+                    delta.prompt_logprobs = self._prompt_logprobs(outputs[-1], job.params.prompt_logprobs)
                 sent_tokens[index] = len(outputs[-1].token_ids)
+                yield delta
         finally:
             for stream in streams:
                 await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
@@ -112,6 +115,12 @@ class EngineReplica:
                         for token, entry in zip(last.token_ids[sent_tokens:], last.logprobs[sent_tokens:])]
         return Delta(index, "".join(o.delta_text for o in outputs), len(last.token_ids), last.finish_reason,
                      last.error, logprobs, last.num_cached_tokens)
+
+    def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
+        first = TokenLogprob(self._token_texts(output.prompt_token_ids[0])[0], None,
+                             self._token_texts(output.prompt_token_ids[0])[1])
+        return [first, *(self._token_logprob(token, entry, top)
+                         for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
 
     def _token_logprob(self, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
         """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked."""

@@ -30,7 +30,9 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
         offsets.append(text_offset)
         text_offset += len(entry.token)
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token: logprob for token, logprob, _ in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [{token: logprob for token, logprob, _ in e.top} if e.logprob is not None else None
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def tool_call_list(calls: list[tool_calls.ToolCall]) -> list[dict]:
@@ -50,17 +52,24 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prefix: str = ""  # completions' echo
+    prefix_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's
 
-    def add(self, text: str, completion_tokens: int, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> None:
+    def add(self, text: str, completion_tokens: int, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
+            prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         self.text += text
         self.completion_tokens, self.finish_reason = completion_tokens, finish_reason
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
+        if prompt_logprobs is not None:
+            self.prefix_logprobs = prompt_logprobs
 
     def to_json(self) -> dict:
         if not self.chat:
             text = self.prefix + self.text
-            logprobs = completion_logprobs(self.logprobs, len(self.prefix)) if self.logprobs is not None else None
+            logprobs = None
+            if self.logprobs is not None:
+                logprobs = completion_logprobs((self.prefix_logprobs or []) + self.logprobs,
+                                               0 if self.prefix_logprobs else len(self.prefix))
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
         content, calls = tool_calls.parse(self.text) if self.parse_tool_calls else (self.text, [])
         message = {"role": "assistant", "content": content}
@@ -94,10 +103,11 @@ class StreamedChoice:
     text_offset: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> list[dict]:
+    def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
+               prompt_logprobs: list[TokenLogprob] | None = None) -> list[dict]:
         """The chunk choices this delta makes (none while held back, unless it starts or ends the choice)."""
         self.text += text
-        self.pending_logprobs += logprobs or []
+        self.pending_logprobs += (prompt_logprobs or []) + (logprobs or [])
         visible = tool_calls.safe_content_length(self.text) if self.parse_tool_calls else len(self.text)
         if finish_reason is not None:
             return self._final(finish_reason)
@@ -125,7 +135,8 @@ class StreamedChoice:
         first, self.started = not self.started, True
         if not self.chat:
             text = (self.prefix if first else "") + text
-            offset = self.text_offset + (len(self.prefix) if first else 0)
+            echoed_logprobs = first and entries and entries[0].logprob is None  # they start at the prompt
+            offset = self.text_offset + (len(self.prefix) if first and not echoed_logprobs else 0)
             self.text_offset += len(text)
             lp = completion_logprobs(entries, offset) if logprobs and entries else None
             return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}

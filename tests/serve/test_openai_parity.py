@@ -133,6 +133,24 @@ def test_echo_returns_the_prompt_before_the_completion(client):
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_too(client, offline):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    (expected,) = offline.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1),
+                                   use_tqdm=False)
+    num_prompt = len(expected.prompt_token_ids)
+    assert len(lp.tokens) == num_prompt + 3 and "".join(lp.tokens) == text and text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for position in range(1, num_prompt):
+        token = expected.prompt_token_ids[position]
+        assert lp.token_logprobs[position] == pytest.approx(expected.prompt_logprobs[position][token], abs=1e-4)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                         logprobs=1, stream=True)
+    tokens = [t for chunk in streamed if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
 def test_n_choices_share_the_prompt_blocks_and_seeds_repeat(client, replica_handle):
     prompt = "A unique story opening for the n test: " + "the lighthouse keeper counted ships " * 12
     before = replica_handle.stats.remote().result()
