@@ -1,6 +1,7 @@
 """python benchmarks/bench.py (make bench): this engine against transformers, and vLLM-CPU with --vllm-python, on one
 workload in one run, as ratios. --model-impls native,hf runs the engine's native model and its transformers fallback;
---quantizations none,gguf its dense weights and the embedded GGUF's blocks."""
+--quantizations none,gguf its dense weights and the embedded GGUF's blocks; --schema-shares 0,0.25,1 puts that share of
+requests under a JSON schema (structured output's mask cost)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutput
 from engine.config import DEFAULT_MODEL
 from engine.metrics import PrometheusSink, StepMetrics
 from engine.models import resolve_model_path
@@ -31,10 +32,22 @@ app = typer.Typer(add_completion=False)
 console = Console()
 
 
-def run_engine(requests: list[Request], model: str, dtype: str, threads: int, **engine_kwargs) -> dict:
+# A schema no output within the budget can complete (a story of at least 2,000 characters), so constrained requests
+# still generate exactly max_tokens and runs with and without schemas do the same work: the difference is the mask.
+OPEN_ENDED_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "story"],
+                     "properties": {"title": {"type": "string", "maxLength": 40},
+                                    "story": {"type": "string", "minLength": 2000}}}
+
+
+def run_engine(requests: list[Request], model: str, dtype: str, threads: int, schema_share: float = 0.0,
+               **engine_kwargs) -> dict:
     llm = LLM(model=model, dtype=dtype, num_threads=threads, **engine_kwargs)
     llm.engine.attach_metrics(StepMetrics(PrometheusSink(), "bench"))  # as in serving: its cost is part of the figure
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+    every = round(1 / schema_share) if schema_share else 0
+    schema = StructuredOutput(json_schema=OPEN_ENDED_SCHEMA)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                             structured_output=schema if every and i % every == 0 else None)
+              for i, r in enumerate(requests)]
     llm.generate([[0, 1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.chat([r.messages for r in requests], params, use_tqdm=True)
@@ -110,6 +123,7 @@ def main(
     threads: str = typer.Option("2", help="torch thread counts for the engine, comma separated, e.g. 1,2"),
     model_impls: str = typer.Option("auto", help="engine model implementations, comma separated: auto, native, hf"),
     quantizations: str = typer.Option("none", help="engine weights, comma separated: none (dense in dtype), gguf"),
+    schema_shares: str = typer.Option("0", help="shares of requests under a JSON schema, comma separated, e.g. 0,0.25,1"),
     runs: int = typer.Option(3, help="runs per system; the median is reported"),
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
@@ -124,11 +138,15 @@ def main(
     for t in thread_counts:
         for impl in model_impls.split(","):
             for quantization in quantizations.split(","):
-                name = " ".join(part for part in ("" if impl == "auto" else impl, "" if quantization == "none" else quantization) if part)
-                label = f"engine {name} ({t} thr)".replace("  ", " ")
-                results[label] = median_of(runs, lambda: run_engine(
-                    requests, model, dtype, t, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    model_impl=impl, quantization=None if quantization == "none" else quantization), label)
+                for share in (float(x) for x in schema_shares.split(",")):
+                    name = " ".join(part for part in ("" if impl == "auto" else impl,
+                                                      "" if quantization == "none" else quantization,
+                                                      f"schema {share:.0%}" if share else "") if part)
+                    label = f"engine {name} ({t} thr)".replace("  ", " ")
+                    results[label] = median_of(runs, lambda: run_engine(
+                        requests, model, dtype, t, share, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, model_impl=impl,
+                        quantization=None if quantization == "none" else quantization), label)
     if not skip_hf:
         top = max(thread_counts)
         results[f"HF static ({top} thr)"] = median_of(runs, lambda: run_hf_static(requests, model, dtype, top, hf_batch_size),
@@ -137,7 +155,8 @@ def main(
         top = max(thread_counts)
         console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
         results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top, dtype))
-    report(results, requests, dict(model=model, dtype=dtype, runs=runs, quantizations=quantizations, cpu_flags=cpu_flags(), num_requests=num_requests,
+    report(results, requests, dict(model=model, dtype=dtype, runs=runs, quantizations=quantizations,
+                                   schema_shares=schema_shares, cpu_flags=cpu_flags(), num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens), out_dir)
 

@@ -36,6 +36,11 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutput):
         """A fresh matcher at the start of `spec`'s grammar; EngineInputError if the schema cannot compile."""
+        return self.prepare(spec).deep_copy()
+
+    def prepare(self, spec: StructuredOutput):
+        """Compile `spec` into the cache, if it is not there yet (up to a second for a large schema: callers that
+        must not block call this on a worker thread first), and return its template matcher."""
         with self._lock:
             template = self._templates.get(spec.key)
             if template is None:
@@ -45,7 +50,7 @@ class GrammarCompiler:
                     self._templates.popitem(last=False)
             else:
                 self._templates.move_to_end(spec.key)
-            return template.deep_copy()
+            return template
 
     def _compile(self, spec: StructuredOutput):
         import llguidance.hf

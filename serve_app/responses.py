@@ -119,11 +119,10 @@ class StreamedChoice:
     def _final(self, finish_reason: str) -> list[dict]:
         held = self.text[self.sent:]
         self.sent = len(self.text)
-        calls = tool_calls.parse(held)[1] if self.parse_tool_calls else []
+        content, calls = tool_calls.parse(held) if self.parse_tool_calls else (held, [])
         if not calls:
             return [self._choice(held, finish_reason, logprobs=True)]
-        content = tool_calls.parse(held)[0]
-        out = [self._choice(content, None, logprobs=True)] if content or not self.started else []
+        out = [self._choice(content or "", None, logprobs=True)] if content or not self.started else []
         out.append({"index": self.index, "delta": {"tool_calls": tool_call_list(calls)}, "logprobs": None,
                     "finish_reason": None})
         out.append({"index": self.index, "delta": {}, "logprobs": None,
