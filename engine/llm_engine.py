@@ -349,7 +349,7 @@ class LLMEngine:
             prompt_token_ids=[seq.prompt_token_ids for seq in sampling_seqs] if any(
                 p.repetition_penalty != 1.0 for p in params) else None,
             banned_token_ids=[self._not_yet_allowed(seq) for seq in sampling_seqs],
-            allowed=allowed_tokens([seq.runtime.grammar for seq in sampling_seqs], logits.shape[1]),
+            allowed=allowed_tokens([seq.runtime.grammar for seq in sampling_seqs], logits.shape[1], logits.device),
         )
         outputs = [self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)")
                    for seq, token in zip(sampling_seqs, tokens) if token == INVALID_TOKEN]  # before its blocks publish

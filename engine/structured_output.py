@@ -71,7 +71,7 @@ class GrammarCompiler:
         return LLMatcher(self._ll_tokenizer, grammar, log_level=0)
 
 
-def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor | None:
+def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """bool [rows, vocab]: which tokens each row's grammar allows next (every token for rows without one), or None
     when no row has a grammar."""
     if all(m is None for m in matchers):
@@ -83,4 +83,4 @@ def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor | None:
         if matcher is not None:
             fill_next_token_bitmask(matcher, bitmask, row)
     bits = (bitmask[:, :, None] >> BITS) & 1
-    return bits.view(len(matchers), -1)[:, :vocab_size].bool()
+    return bits.view(len(matchers), -1)[:, :vocab_size].bool().to(device, non_blocking=True)  # built on the host

@@ -129,7 +129,7 @@ class Ingress:
         stream, admitted = await self._admit(job)
         self._raise_if_refused(admitted)
         for choice in choices:  # a retry on another replica starts over
-            choice.text, choice.logprobs = "", None
+            choice.text, choice.logprobs, choice.prefix_logprobs = "", None, None
         cached_tokens = 0
         try:
             async for delta in stream:
@@ -229,14 +229,15 @@ async def _with_keep_alive(stream, interval_s: float):
 def _job(request_id: str, body: SamplingFields, prompt) -> GenerationJob:
     """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
     name the field."""
+    tools = _offered_tools(body)
     try:
-        return GenerationJob(request_id, prompt, _sampling_params(body), body.n, body.cache_salt, _offered_tools(body),
+        return GenerationJob(request_id, prompt, _sampling_params(body, tools), body.n, body.cache_salt, tools,
                              echo=getattr(body, "echo", False))
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 
 
-def _sampling_params(body: SamplingFields) -> SamplingParams:
+def _sampling_params(body: SamplingFields, tools: list[dict] | None) -> SamplingParams:
     return SamplingParams(
         max_tokens=body.requested_max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k if body.top_k is not None else -1, min_p=body.min_p, seed=body.seed, stop=body.stop,
@@ -245,13 +246,12 @@ def _sampling_params(body: SamplingFields) -> SamplingParams:
         min_tokens=body.min_tokens, logprobs=body.num_logprobs,
         prompt_logprobs=body.num_logprobs if getattr(body, "echo", False) else None,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
-        structured_output=_structured_output(body))
+        structured_output=_structured_output(body, tools))
 
 
-def _structured_output(body: SamplingFields) -> StructuredOutput | None:
+def _structured_output(body: SamplingFields, tools: list[dict] | None) -> StructuredOutput | None:
     """response_format's constraint, or, when a tool call is forced (required or named), the grammar of one."""
     if isinstance(body, ChatCompletionRequest) and body.effective_tool_choice in ("required", "named"):
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
         return StructuredOutput(grammar=tool_calls.grammar(tools, body.forced_function, body.parallel_tool_calls))
     return body.response_format.structured_output() if body.response_format else None
 

@@ -120,9 +120,8 @@ class EngineReplica:
                      last.error, logprobs, last.num_cached_tokens)
 
     def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
-        first = TokenLogprob(self._token_texts(output.prompt_token_ids[0])[0], None,
-                             self._token_texts(output.prompt_token_ids[0])[1])
-        return [first, *(self._token_logprob(token, entry, top)
+        text, raw = self._token_texts(output.prompt_token_ids[0])
+        return [TokenLogprob(text, None, raw), *(self._token_logprob(token, entry, top)
                          for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
 
     def _token_logprob(self, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
