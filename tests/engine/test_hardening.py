@@ -43,12 +43,12 @@ def test_non_finite_logits_fail_only_their_request_and_never_leave_the_vocabular
     execute = engine.runner.execute
 
     def nan_for_one(seqs, num_new_tokens):
-        sampling, logits = execute(seqs, num_new_tokens)
+        sampling, logits, prompt_logits = execute(seqs, num_new_tokens)
         logits = logits.clone()
         for row, seq in enumerate(sampling):
             if seq.token_ids[0] == 7:
                 logits[row] = float("nan")
-        return sampling, logits
+        return sampling, logits, prompt_logits
 
     monkeypatch.setattr(engine.runner, "execute", nan_for_one)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)

@@ -26,6 +26,9 @@ def serve_app():
     from serve_app.app import build_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # as `make serve`: Ray's default nice 15 lets a load generator at nice 0 starve the replica (on a slow 2-core
+    # AVX2 box the Locust smoke completed 6 requests in 20 s instead of dozens)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     metrics_port = free_port()
     # metrics every second instead of Ray's 10 s, so the Prometheus test does not wait on export
     # address="local": a cluster of the tests' own, even where `make serve` already runs one

@@ -17,6 +17,8 @@ def test_half_a_minute_of_load_completes_requests_and_fails_none(base_url, serve
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
     assert summary["requests_failed"] == 0, summary["errors"]
-    assert summary["requests_ok"] >= 10 and r.returncode == 0, (summary["requests_ok"], r.stdout[-2000:])
+    # a smoke test, not a throughput test: a 2-core AVX2 VM completed 6 to 12 in the 20 s steady state (its prefill
+    # of the load test's prompts is slow), a faster one dozens; throughput is measured by make loadtest
+    assert summary["requests_ok"] >= 4 and r.returncode == 0, (summary["requests_ok"], r.stdout[-2000:])
     for name in ("throughput.png", "latency.png", "smoke.html", "smoke_stats.csv"):
         assert next(tmp_path.glob(f"*/{name}")).stat().st_size > 0, name
