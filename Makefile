@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup model serve stop test test-fast bench bench-peers bench-latency loadtest sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: setup model serve stop test test-fast bench bench-peers bench-latency eval loadtest sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -53,6 +53,10 @@ $(PEERS)/.installed:
 # single-stream and low-concurrency decode latency, dense against the GGUF blocks; ARGS="--url http://127.0.0.1:8000" adds HTTP
 bench-latency: model
 	$(PY) benchmarks/latency.py $(ARGS)
+
+# output quality of engine configurations against fp32 (perplexity, greedy agreement, a reference-model judge)
+eval: model
+	$(PY) benchmarks/eval.py $(ARGS)
 
 bench-peers: model $(PEERS)/.installed
 	$(PY) benchmarks/bench.py --vllm-python $(PEERS)/bin/python $(ARGS)
