@@ -263,3 +263,40 @@ def test_a_schema_request_leaves_its_batch_mates_output_alone(client):
         plain = pool.submit(chat, client, messages, max_tokens=24)
         assert plain.result().choices[0].message.content == alone
         assert all(json.loads(f.result().choices[0].message.content) for f in constrained)
+
+
+def streamed_chat(client, messages, **kwargs) -> tuple[str, list, str | None, object]:
+    """(content, tool-call deltas, finish_reason, usage) of a streamed chat completion."""
+    stream = chat(client, messages, stream=True, stream_options={"include_usage": True}, **kwargs)
+    content, calls, finish, usage = "", [], None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    return content, calls, finish, usage
+
+
+def test_the_same_features_streamed_give_what_they_give_whole(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]}]
+    assert streamed_chat(client, parts, max_tokens=16)[0] == chat(client, parts, max_tokens=16).choices[0].message.content
+    turns = [*ASK_WEATHER,
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "21 degrees"}]
+    whole = chat(client, turns, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=16)
+    content, _, _, usage = streamed_chat(client, turns, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=16)
+    assert content == whole.choices[0].message.content and usage.prompt_tokens == whole.usage.prompt_tokens
+    extras = {"min_tokens": 30, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2}
+    _, _, _, usage = streamed_chat(client, [{"role": "user", "content": "Say OK."}], max_tokens=40, extra_body=extras)
+    assert usage.completion_tokens >= 30
+    content, _, finish, _ = streamed_chat(client, [{"role": "user", "content": 'A JSON object with key "a".'}],
+                                          max_tokens=120, response_format={"type": "json_object"})
+    assert content.startswith("{") and (finish != "stop" or isinstance(json.loads(content), dict))
+    _, calls, finish, _ = streamed_chat(client, ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=60)
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    prompt = [{"role": "user", "content": "A long shared question about cached prefixes: " + "why is the sea salty? " * 8}]
+    chat(client, prompt, max_tokens=2)
+    assert streamed_chat(client, prompt, max_tokens=2)[3].prompt_tokens_details.cached_tokens >= 32
