@@ -14,10 +14,10 @@ import json
 import re
 from dataclasses import dataclass
 
+from engine.structured_output import JSON_OPTIONS
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
-# the separators JSON_OPTIONS in structured_output.py uses too, so forced and free calls read the same
-X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}
 
 
@@ -59,7 +59,7 @@ def grammar(tools: list[dict], only: str | None = None, parallel: bool = True) -
               "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
              for f in functions]
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
-    schema = {**schema, "x-guidance": X_GUIDANCE}
+    schema = {**schema, "x-guidance": JSON_OPTIONS}  # response_format's JSON layout: forced and free calls read the same
     repeat = ' ("\\n" block)*' if parallel and only is None else ""
     return (f"start: block{repeat}\n"
             f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
