@@ -7,7 +7,10 @@ the project (benchmarks/eval_texts.py).
   the mean length of the matching prefix;
 - judge: the mean log-likelihood per token that the reference model gives each configuration's answers.
 
-python benchmarks/eval.py --configs fp32,bf16,gguf,nf4,int8,hf --tokens 32
+Each configuration is held to a bar (BARS); a fast subset of the same checks runs in `make test`
+(tests/benchmarks/test_eval_bars.py).
+
+python benchmarks/eval.py --configs fp32,bf16,gguf,nf4,int8,hf,spec --tokens 32
 """
 from __future__ import annotations
 
@@ -42,7 +45,23 @@ CONFIGS = {  # engine settings per name; fp32 dense native is the reference
     "nf4": {"dtype": "float32", "quantization": "nf4"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "hf": {"dtype": "float32", "model_impl": "hf"},
+    "spec": {"dtype": "float32", "speculative": {"num_speculative_tokens": 4, "disable_by_batch_size": 64}},
 }
+# The bar each configuration must pass: (perplexity at most this multiple of transformers' fp32 forward on the same
+# weights, greedy answers identical to the reference at least this share). Speculation must change no token.
+BARS = {"fp32": (1.001, 1.0), "hf": (1.001, 0.9), "gguf": (1.001, 0.9), "spec": (1.001, 1.0),
+        "bf16": (1.02, 0.25), "int8": (1.03, 0.0), "nf4": (1.35, 0.0)}
+
+
+def failed_bars(name: str, row: dict, hf_perplexity_value: float) -> list[str]:
+    """What keeps configuration `name` (its eval row) below its bar; empty when it passes."""
+    max_ratio, min_identical = BARS[name]
+    problems = []
+    if row["perplexity"] > max_ratio * hf_perplexity_value:
+        problems.append(f"perplexity {row['perplexity']:.3f} > {max_ratio} x transformers' {hf_perplexity_value:.3f}")
+    if row.get("identical", 1.0) < min_identical:
+        problems.append(f"{row['identical']:.0%} of greedy answers identical < {min_identical:.0%}")
+    return problems
 
 
 def engine_for(name: str, model: str) -> LLM:
@@ -92,7 +111,7 @@ def judge(reference: LLM, instructions: list[str], answers: list[list[int]]) -> 
 
 
 @app.command()
-def main(configs: str = "fp32,bf16,gguf,nf4,int8,hf", reference: str = "fp32", tokens: int = 32,
+def main(configs: str = "fp32,bf16,gguf,nf4,int8,hf,spec", reference: str = "fp32", tokens: int = 32,
          model: str = "SmolLM2-135M-Instruct", out_dir: Path = Path("benchmarks/results"),
          plot: Path = Path("docs/eval.png")):
     names = [reference] + [n for n in configs.split(",") if n != reference]
@@ -111,19 +130,23 @@ def main(configs: str = "fp32,bf16,gguf,nf4,int8,hf", reference: str = "fp32", t
         if llm is not ref_llm:
             del llm
             gc.collect()
+    for name in names:
+        rows[name]["failed_bars"] = failed_bars(name, rows[name], rows["transformers fp32"]["perplexity"])
     report(rows, dict(reference=reference, tokens=tokens, model=model, paragraphs=len(PARAGRAPHS),
-                      instructions=len(INSTRUCTIONS)), out_dir, plot)
+                      instructions=len(INSTRUCTIONS), bars=BARS), out_dir, plot)
 
 
 def report(rows: dict[str, dict], settings: dict, out_dir: Path, plot: Path) -> None:
     table = Table(title=f"quality against {settings['reference']}: {settings['paragraphs']} paragraphs, "
                         f"{settings['instructions']} instructions x {settings['tokens']} greedy tokens")
-    for column in ("configuration", "perplexity", "identical answers", "mean matching prefix", "judge logprob/token"):
+    for column in ("configuration", "perplexity", "identical answers", "mean matching prefix", "judge logprob/token",
+                   "bar"):
         table.add_column(column, justify="right")
     for name, r in rows.items():
         table.add_row(name, f"{r['perplexity']:.3f}", f"{r['identical']:.0%}" if "identical" in r else "-",
                       f"{r['matching_prefix']:.1f}" if "matching_prefix" in r else "-",
-                      f"{r['judge']:.3f}" if "judge" in r else "-")
+                      f"{r['judge']:.3f}" if "judge" in r else "-",
+                      "-" if "failed_bars" not in r else "; ".join(r["failed_bars"]) or "pass")
     console.print(table)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

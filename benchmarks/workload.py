@@ -27,3 +27,22 @@ def chat_workload(num_requests: int = 256, min_tokens: int = 16, max_tokens: int
         content = CONTEXT * rng.randint(0, 4) + task  # prompts of about 20 to 170 tokens
         requests.append(Request([{"role": "user", "content": content}], rng.randint(min_tokens, max_tokens)))
     return requests
+
+
+COPY_TASKS = ["Repeat the following text word for word:\n{p}", "Summarise the following text, quoting its key sentences:\n{p}",
+              "Extract every fact from the following text as a bulleted list, in its own words:\n{p}",
+              "Rewrite the following text with each sentence on its own line:\n{p}"]
+
+
+def copy_workload(num_requests: int = 16, max_tokens: int = 128, seed: int = 0) -> list[Request]:
+    """Copy-heavy chat requests, where an answer repeats much of its prompt (what n-gram speculation feeds on):
+    repetitions, quoting summaries and extractions of the shipped evaluation paragraphs."""
+    from eval_texts import PARAGRAPHS  # the sibling module
+
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        paragraphs = " ".join(rng.sample(PARAGRAPHS, 2))
+        content = rng.choice(COPY_TASKS).format(p=paragraphs)
+        requests.append(Request([{"role": "user", "content": content}], max_tokens))
+    return requests

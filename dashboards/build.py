@@ -89,13 +89,21 @@ def overview() -> Dashboard:
               8, 26, 8, description="Prompt tokens served from cached KV blocks"),
         panel("Engine steps/s", "short", [Query(rate("ray_engine_steps_total"), "steps")], 16, 26, 8,
               description="Zero while requests are running means the step loop is stalled"),
+        panel("Speculative tokens/s", "short", [
+            Query(rate("ray_engine_spec_decode_num_draft_tokens_total"), "proposed"),
+            Query(rate("ray_engine_spec_decode_num_accepted_tokens_total"), "accepted")], 0, 34, 12,
+              description="n-gram drafts verified and accepted; none while the batch is past disable_by_batch_size"),
+        panel("Speculative acceptance rate", "percentunit", [Query(
+            f"{rate('ray_engine_spec_decode_num_accepted_tokens_total')} / "
+            f"{rate('ray_engine_spec_decode_num_draft_tokens_total')}", "accepted / proposed")], 12, 34, 12,
+              description="Share of draft tokens the model confirmed; each accepted draft is a token without a step"),
         Row("Ray Serve"),
         panel("Replicas", "short", [
             Query("sum by (deployment) (ray_serve_deployment_replica_healthy)", "{{deployment}} healthy"),
-            Query("max by (deployment) (ray_serve_autoscaling_target_replicas)", "{{deployment}} target")], 0, 35),
+            Query("max by (deployment) (ray_serve_autoscaling_target_replicas)", "{{deployment}} target")], 0, 43),
         panel("Ingress queue", "short", [
             Query("sum(ray_serve_num_ongoing_http_requests)", "ongoing at the proxy"),
-            Query("sum by (deployment) (ray_serve_deployment_queued_queries)", "{{deployment}} queued in handles")], 12, 35),
+            Query("sum by (deployment) (ray_serve_deployment_queued_queries)", "{{deployment}} queued in handles")], 12, 43),
     ]
     for p in panels:
         d = d.with_row(p) if isinstance(p, Row) else d.with_panel(p)

@@ -125,6 +125,16 @@ class BlockManager:
         for index in range(first_new_full, num_computed_tokens // self.block_size):
             self._publish(seq, index)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` slots (written, never computed: rejected speculative drafts)."""
+        assert num_tokens >= seq.num_computed_tokens, f"trim({seq}, {num_tokens}) would drop computed tokens"
+        while len(seq.block_table) > self.blocks_needed(num_tokens):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the shared head of a prefix outlives it in the free list.
         for block_id in reversed(seq.block_table):

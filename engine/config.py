@@ -9,6 +9,29 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
+class SpeculativeConfig(BaseModel):
+    """N-gram (prompt lookup) speculative decoding; the names follow vLLM's `speculative_config`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="k: drafts verified per step and sequence")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="longest suffix looked up in the context")
+    prompt_lookup_min: int = Field(default=2, ge=1, description="shortest suffix that may propose")
+    lookup_window: int = Field(default=4096, ge=2, description="how many of the latest tokens are searched")
+    disable_by_batch_size: int = Field(default=4, ge=1, description=(
+        "no drafts while more sequences run than this: a large batch is compute-bound, so verifying costs more "
+        "than it saves"))
+    min_acceptance: float = Field(default=0.2, ge=0, le=1, description="a sequence's acceptance rate below which it pauses")
+    pause_steps: int = Field(default=16, ge=0, description="steps a low-acceptance sequence goes without drafts")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -41,6 +64,7 @@ class EngineConfig(BaseModel):
     max_consecutive_failed_steps: int = Field(default=3, ge=1, description="failed steps in a row before unhealthy")
     step_timeout_s: float = Field(default=120.0, gt=0, description="one step running longer than this is a hung engine")
     trust_remote_code: bool = False
+    speculative: SpeculativeConfig | None = Field(default=None, description="n-gram speculative decoding; None: off")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

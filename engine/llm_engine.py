@@ -19,12 +19,13 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
 from engine.host_memory import keep_freed_memory
 from engine.metrics import StepMetrics
-from engine.model_runner import ModelRunner, PromptLogits, kv_bytes_per_block
+from engine.model_runner import ModelRunner, PromptLogits, StepLogits, kv_bytes_per_block
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.sampler import INVALID_TOKEN, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
+from engine.speculative import accepted_length, propose_ngram
 from engine.structured_output import GrammarCompiler, allowed_tokens
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class LLMEngine:
         self._inbox_lock = threading.Lock()
         self._new_seqs: list[Sequence] = []
         self._aborts: list[str] = []
-        self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
+        self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0,
+                         "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.consecutive_failed_steps = 0  # steps in a row in which no request could run
         self.step_started_at: float | None = None  # monotonic; None between steps
         log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
@@ -130,7 +132,9 @@ class LLMEngine:
         self.runner.kv_cache = self.runner.allocate_kv_cache(blocks)
         warm = Sequence("warmup", [0] * self.config.max_num_batched_tokens, SamplingParams(max_tokens=1))
         warm.block_table = list(range(blocks))
-        self.runner.execute([warm], [len(warm)])  # noqa: the logits are not needed, only the memory peak
+        batch = ScheduledBatch()
+        batch.add(warm, len(warm))
+        self.runner.execute(batch)  # noqa: the logits are not needed, only the memory peak
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
@@ -271,6 +275,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs = self._drain_inbox()
+        self._propose_drafts()
         batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.out_of_memory]
         if batch:
@@ -325,7 +330,7 @@ class LLMEngine:
         groups = ([older] if older else []) + [[i] for i in newest]
         outputs, failed_groups = [], []
         for group in groups:
-            part = ScheduledBatch([batch.seqs[i] for i in group], [batch.num_new_tokens[i] for i in group])
+            part = batch.subset(group)
             try:
                 outputs += self._execute(part)
             except Exception as exc:
@@ -337,36 +342,89 @@ class LLMEngine:
         return outputs
 
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        sampling_seqs, logits, prompt_logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
-        for part in prompt_logits:
+        step = self.runner.execute(batch)
+        for part in step.prompt:
             self._record_prompt_logprobs(part)
-        params = [seq.params for seq in sampling_seqs]
-        tokens, logprobs = self.sampler(
-            logits,
-            params,
-            [seq.runtime.generator for seq in sampling_seqs],
-            [seq.output_token_ids for seq in sampling_seqs],
-            prompt_token_ids=[seq.prompt_token_ids for seq in sampling_seqs] if any(
-                p.repetition_penalty != 1.0 for p in params) else None,
-            banned_token_ids=[self._not_yet_allowed(seq) for seq in sampling_seqs],
-            allowed=allowed_tokens([seq.runtime.grammar for seq in sampling_seqs], logits.shape[1], logits.device),
-        )
-        outputs = [self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)")
-                   for seq, token in zip(sampling_seqs, tokens) if token == INVALID_TOKEN]  # before its blocks publish
+        drafts = {seq.request_id: d for seq, d in zip(batch.seqs, batch.draft_token_ids) if d}
+        tokens, logprobs = self._sample(step, drafts)
+        outputs, emitted = [], []
+        row = 0
+        for seq, rows in zip(step.seqs, step.rows):
+            seq_drafts = drafts.get(seq.request_id, [])
+            targets = tokens[row : row + rows]
+            accepted = accepted_length(seq_drafts, targets)
+            if INVALID_TOKEN in targets[: accepted + 1]:  # failed before its blocks publish
+                outputs.append(self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)"))
+            else:
+                emitted.append((seq, targets[: accepted + 1], logprobs[row : row + accepted + 1], seq_drafts))
+            row += rows
         self.counters["prompt_tokens"] += self._num_prompt_tokens_in(batch)
         self.scheduler.mark_computed(batch)
-        for seq, token, logprob in zip(sampling_seqs, tokens, logprobs):
-            if token == INVALID_TOKEN:
-                continue
+        for seq, seq_tokens, seq_logprobs, seq_drafts in emitted:
+            outputs.append(self._append_tokens(seq, seq_tokens, seq_logprobs))
+            if seq_drafts:
+                self._record_drafts(seq, seq_drafts, len(seq_tokens) - 1)
+        return outputs
+
+    def _sample(self, step: StepLogits, drafts: dict[str, list[int]]) -> tuple[list[int], list]:
+        """One token per logits row; a sequence with drafts has a row for each draft and one for the bonus token."""
+        row_seqs = [seq for seq, rows in zip(step.seqs, step.rows) for _ in range(rows)]
+        params = [seq.params for seq in row_seqs]
+        return self.sampler(
+            step.logits,
+            params,
+            [seq.runtime.generator for seq in row_seqs],
+            [seq.output_token_ids for seq in row_seqs],
+            prompt_token_ids=[seq.prompt_token_ids for seq in row_seqs] if any(
+                p.repetition_penalty != 1.0 for p in params) else None,
+            banned_token_ids=[self._not_yet_allowed(seq) for seq in row_seqs],
+            allowed=allowed_tokens([seq.runtime.grammar for seq in row_seqs], step.logits.shape[1], step.logits.device),
+            draft_token_ids=[d for seq in step.seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
+        )
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Append a step's tokens (more than one where drafts were accepted) until one finishes the sequence."""
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            if i:
+                self.scheduler.accept_draft(seq)  # the draft fed at the previous token's position was this token
             self.counters["generation_tokens"] += 1
             try:
                 self._append_token(seq, token, logprob)
             except Exception as exc:
                 log.exception("post-processing of request %s failed", seq.request_id)
-                outputs.append(self._fail(seq, f"post-processing failed: {type(exc).__name__}"))
-                continue
-            outputs.append(self._output(seq))
-        return outputs
+                return self._fail(seq, f"post-processing failed: {type(exc).__name__}")
+            if seq.is_finished:
+                break
+        return self._output(seq)
+
+    def _record_drafts(self, seq: Sequence, drafts: list[int], accepted: int) -> None:
+        self.counters["spec_drafts"] += 1
+        self.counters["spec_draft_tokens"] += len(drafts)
+        self.counters["spec_accepted_tokens"] += accepted
+        seq.draft_stats.record(len(drafts), accepted, self.config.speculative)
+        self.scheduler.release_rejected(seq)
+
+    def _propose_drafts(self) -> None:
+        """Before scheduling: n-gram drafts for each decoding sequence that may speculate, while the batch is small."""
+        spec = self.config.speculative
+        running = self.scheduler.running
+        if spec is None or not running or len(running) > spec.disable_by_batch_size:
+            return
+        for seq in running:
+            budget = self._draft_budget(seq)
+            if budget and seq.draft_stats.may_propose():
+                seq.draft_token_ids = propose_ngram(seq.token_ids, budget, spec.prompt_lookup_min,
+                                                    spec.prompt_lookup_max, spec.lookup_window)
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
+        the same step (penalties, a grammar, min_tokens), and never past max_tokens or the context."""
+        params, state = seq.params, seq.runtime
+        if (seq.num_uncomputed_tokens != 1 or params.has_penalties or state.grammar is not None
+                or seq.num_output_tokens < params.min_tokens):
+            return 0
+        room = min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        return max(0, min(self.config.speculative.num_speculative_tokens, room))
 
     def _record_prompt_logprobs(self, part: PromptLogits) -> None:
         """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""

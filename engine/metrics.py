@@ -39,6 +39,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_num_preemptions", "counter", "Sequences preempted (recomputed later)"),
     Metric("engine_request_success", "counter", "Finished requests", ("finish_reason",)),
     Metric("engine_steps", "counter", "Engine steps"),
+    Metric("engine_spec_decode_num_drafts", "counter", "Sequence-steps that verified speculative drafts"),
+    Metric("engine_spec_decode_num_draft_tokens", "counter", "Speculative draft tokens verified"),
+    Metric("engine_spec_decode_num_accepted_tokens", "counter", "Speculative draft tokens accepted"),
     Metric("engine_time_to_first_token_seconds", "histogram", "Arrival to first token", buckets=TTFT_BUCKETS),
     Metric("engine_inter_token_latency_seconds", "histogram", "Time between tokens of a request", buckets=ITL_BUCKETS),
     Metric("engine_e2e_request_latency_seconds", "histogram", "Arrival to finish", buckets=E2E_BUCKETS),
@@ -48,7 +51,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
 # counter -> the key of LLMEngine.stats() that holds its running total
 COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_tokens": "generation_tokens",
                    "engine_prefix_cache_queries": "prefix_cache_queries", "engine_prefix_cache_hits": "prefix_cache_hits",
-                   "engine_num_preemptions": "num_preemptions", "engine_steps": "num_steps"}
+                   "engine_num_preemptions": "num_preemptions", "engine_steps": "num_steps",
+                   "engine_spec_decode_num_drafts": "spec_drafts", "engine_spec_decode_num_draft_tokens": "spec_draft_tokens",
+                   "engine_spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
 
 
 class MetricsSink(Protocol):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from engine.models import Model
+from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,17 @@ class PromptLogits:
     seq: Sequence
     first_position: int
     logits: torch.Tensor
+
+
+@dataclass
+class StepLogits:
+    """One step's logits: `rows[i]` consecutive rows for `seqs[i]` (1, or 1 + its drafts: the rows that verify them
+    and the bonus), and the prompt positions of sequences that asked for prompt logprobs."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor
+    rows: list[int]
+    prompt: list[PromptLogits]
 
 
 def kv_geometry(hf_config) -> tuple[int, int, int]:
@@ -64,33 +76,33 @@ class ModelRunner:
         return self.kv_cache.shape[3]
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]
-                ) -> tuple[list[Sequence], torch.Tensor, list[PromptLogits]]:
-        """Run one step. Returns the sequences that sample a token now and their logits [n, vocab], and the logits
-        of the prompt positions computed now for sequences that asked for prompt logprobs."""
-        order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
-        seqs = [seqs[i] for i in order]
-        num_new_tokens = [num_new_tokens[i] for i in order]
-        input_ids, positions, slots, last_indices, sampling_seqs = [], [], [], [], []
+    def execute(self, batch: ScheduledBatch) -> StepLogits:
+        """Run one step: the logits of every sequence that samples now (its last real token and its drafts), and of
+        the prompt positions computed now for sequences that asked for prompt logprobs."""
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
+        seqs = [batch.seqs[i] for i in order]
+        num_new_tokens = [batch.num_new_tokens[i] for i in order]
+        input_ids, positions, slots, sample_indices, sampling_seqs, rows = [], [], [], [], [], []
         prompt_indices, prompt_spans = [], []
-        for seq, num_new in zip(seqs, num_new_tokens):
+        for seq, num_new, drafts in zip(seqs, num_new_tokens, (batch.draft_token_ids[i] for i in order)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if seq.params.prompt_logprobs is not None:  # positions predicting a prompt token (not the first output)
-                rows = range(len(input_ids), len(input_ids) + max(0, min(end, seq.num_prompt_tokens - 1) - start))
-                prompt_spans.append((seq, start + 1, len(prompt_indices), len(rows)))
-                prompt_indices.extend(rows)
-            input_ids.extend(seq.token_ids[start:end])
+                count = max(0, min(end, seq.num_prompt_tokens - 1) - start)
+                prompt_spans.append((seq, start + 1, len(prompt_indices), count))
+                prompt_indices.extend(range(len(input_ids), len(input_ids) + count))
+            input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
             positions.extend(range(start, end))
             slots.extend(self._slots(seq.block_table, start, end))
-            if end == len(seq):
-                last_indices.append(len(input_ids) - 1)
+            if end - len(drafts) == len(seq):
+                sample_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sampling_seqs.append(seq)
+                rows.append(1 + len(drafts))
         meta = self._metadata(seqs, num_new_tokens, slots)
         logits = self.model(self._tensor(input_ids), self._tensor(positions), meta,
-                            self._tensor(last_indices + prompt_indices))
-        sampled, prompt = logits[: len(last_indices)], logits[len(last_indices):]
-        return sampling_seqs, sampled, [PromptLogits(seq, first, prompt[offset : offset + count])
-                                        for seq, first, offset, count in prompt_spans if count]
+                            self._tensor(sample_indices + prompt_indices))
+        sampled, prompt = logits[: len(sample_indices)], logits[len(sample_indices):]
+        return StepLogits(sampling_seqs, sampled, rows, [PromptLogits(seq, first, prompt[offset : offset + count])
+                                                         for seq, first, offset, count in prompt_spans if count])
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

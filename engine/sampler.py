@@ -47,13 +47,17 @@ class Sampler:
         prompt_token_ids: list[list[int]] | None = None,
         banned_token_ids: list[Collection[int]] | None = None,
         allowed: torch.Tensor | None = None,
+        draft_token_ids: list[int | None] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution), and
         its logprobs where asked for. Never an id outside [0, vocab).
 
         Logprobs are the model's own (before any bias, mask or penalty). Then, in order: logit_bias, the tokens a
         row may not produce yet (`banned_token_ids`: EOS and stop ids before min_tokens), the grammar's `allowed`
-        mask (bool [n, vocab]), penalties (repetition over prompt and output), then temperature and truncation."""
+        mask (bool [n, vocab]), penalties (repetition over prompt and output), then temperature and truncation.
+
+        A row with a speculative draft returns the draft if it is accepted; a greedy row, by its argmax as always, a
+        sampled row by the rejection rule that keeps the row's distribution (`_verify_drafts`)."""
         finite = finite_rows(logits)
         banned_token_ids = banned_token_ids or [()] * len(params)
         if allowed is None and not any(banned_token_ids) and all(_plain_greedy(p) for p in params):
@@ -67,7 +71,7 @@ class Sampler:
         if all(p.greedy for p in params):
             tokens = _valid_or_invalid(greedy_tokens(logits), candidates)
         else:
-            tokens = self._sample(logits, params, generators, candidates)
+            tokens = self._sample(logits, params, generators, candidates, draft_token_ids)
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
@@ -101,7 +105,7 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                finite: torch.Tensor) -> list[int]:
+                finite: torch.Tensor, draft_token_ids: list[int | None] | None = None) -> list[int]:
         """Every row at once: temperature, then the top-k / top-p / min-p masks, then the inverse CDF at one uniform
         draw from the row's own generator (one random number per token, where a Gumbel race needs one per vocab entry).
         `logits` is the sampler's own float copy: it is worked on in place, since each fresh [n, vocab] temporary
@@ -128,11 +132,32 @@ class Sampler:
             weights[rows] = Sampler._nucleus(selected / selected.sum(-1, keepdim=True), top_p)
         if any(p.min_p > 0.0 for p in params):
             weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
-        draws = [1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0 for g in generators]
-        tokens, has_mass = inverse_cdf(weights, column(draws))
+        draws = column([1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0
+                        for g in generators])
+        verified = [i for i, d in enumerate(draft_token_ids or ()) if d is not None and not params[i].greedy]
+        accepted = Sampler._verify_drafts(weights, draws, verified, [draft_token_ids[i] for i in verified]) if verified else None
+        tokens, has_mass = inverse_cdf(weights, draws)
+        if accepted is not None:
+            tokens[accepted[0]] = accepted[1]
         if greedy:
             tokens[greedy] = greedy_rows
         return _valid_or_invalid(tokens, finite & has_mass)
+
+    @staticmethod
+    def _verify_drafts(weights: torch.Tensor, draws: torch.Tensor, rows: list[int], drafts: list[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative sampling for a draft proposed with certainty (n-gram): accept it with probability p(draft),
+        else draw from p without it, renormalised, so each token keeps probability p (Leviathan et al. 2023, with q
+        a point mass). One uniform draw does both: the draft is put first in the row's order. Rejected rows get
+        their draft's weight zeroed and their draw rescaled in place. Returns the (rows, drafts) accepted."""
+        index, draft = torch.tensor(rows, device=weights.device), torch.tensor(drafts, device=weights.device)
+        total, mass = weights[index].sum(-1), weights[index, draft]
+        target = draws[index, 0] * total
+        accept = (mass > 0) & ((target <= mass) | (total - mass <= 0))
+        rejected = ~accept
+        weights[index[rejected], draft[rejected]] = 0.0
+        draws[index[rejected], 0] = ((target - mass) / (total - mass))[rejected]
+        return index[accept], draft[accept]
 
     @staticmethod
     def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # speculative drafts included
+    draft_token_ids: list[list[int]] = field(default_factory=list)  # per sequence, fed after its last real token
     preempted: list[Sequence] = field(default_factory=list)
     out_of_memory: list[Sequence] = field(default_factory=list)  # finished: the pool cannot hold them at all
 
@@ -23,9 +24,20 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.draft_token_ids))
+
+    def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        self.draft_token_ids.append(drafts or [])
+
+    def subset(self, indices: list[int]) -> "ScheduledBatch":
+        part = ScheduledBatch()
+        for i in indices:
+            part.add(self.seqs[i], self.num_new_tokens[i], self.draft_token_ids[i])
+        return part
 
 
 class Scheduler:
@@ -64,11 +76,23 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, seq.num_computed_tokens + num_new, batch):
                 break
-            self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
-            batch.add(seq, num_new)
-            budget -= num_new
+            drafts = self._drafts_that_fit(seq, num_new, budget)
+            self.block_manager.grow(seq, seq.num_computed_tokens + num_new + len(drafts))
+            batch.add(seq, num_new + len(drafts), drafts)
+            budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _drafts_that_fit(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """A decoding sequence's proposed drafts, as many as the token budget and the free blocks hold: a draft never
+        preempts anyone."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if seq.num_uncomputed_tokens != 1:
+            return []
+        drafts = drafts[: budget - num_new]
+        while drafts and not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new + len(drafts)):
+            drafts = drafts[: len(drafts) // 2]
+        return drafts
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest running sequences until `seq` fits; False if `seq` itself had to go."""
@@ -123,14 +147,25 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        """Advance past the real tokens of the step; a draft's position counts once it is confirmed (accept_draft)."""
+        for seq, num_new, drafts in zip(batch.seqs, batch.num_new_tokens, batch.draft_token_ids):
             if not seq.is_finished:
-                self.block_manager.mark_computed(seq, seq.num_computed_tokens + num_new)
+                self.block_manager.mark_computed(seq, seq.num_computed_tokens + num_new - len(drafts))
+
+    def accept_draft(self, seq: Sequence) -> None:
+        """The next draft fed in this step was the token the model chose: its KV slot holds the right entry."""
+        self.block_manager.mark_computed(seq, seq.num_computed_tokens + 1)
+
+    def release_rejected(self, seq: Sequence) -> None:
+        """Give back the blocks that only held rejected drafts."""
+        if not seq.is_finished:
+            self.block_manager.trim(seq, len(seq))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:

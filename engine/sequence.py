@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.speculative import DraftStats
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +41,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        self.draft_token_ids: list[int] = []  # speculative tokens proposed for the next step; verified, not trusted
+        self.draft_stats = DraftStats()
         self.runtime: Any = None  # engine-side companions (detokenizer, generator); opaque to the scheduler
 
     def __len__(self) -> int:

@@ -46,3 +46,16 @@ def all_kv_blocks_free_after_test():
         stats = engine.stats()
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+
+
+@pytest.fixture(scope="session")
+def llm32():
+    """One fp32 engine on the embedded model, shared: outputs compared across calls are exact in fp32."""
+    from engine import LLM
+
+    return LLM(dtype="float32", num_kv_blocks=512)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llm32):
+    return llm32.engine.tokenizer

@@ -24,10 +24,10 @@ def test_a_request_whose_forward_fails_fails_alone(llm32, monkeypatch):
     execute = engine.runner.execute
     poison = 31999
 
-    def failing_for_one(seqs, num_new_tokens):
-        if any(poison in s.token_ids[: s.num_prompt_tokens] for s in seqs):
+    def failing_for_one(batch):
+        if any(poison in s.token_ids[: s.num_prompt_tokens] for s in batch.seqs):
             raise RuntimeError("this request breaks the forward")
-        return execute(seqs, num_new_tokens)
+        return execute(batch)
 
     monkeypatch.setattr(engine.runner, "execute", failing_for_one)
     failed_before = engine.stats()["num_failed_steps"]
@@ -42,13 +42,13 @@ def test_non_finite_logits_fail_only_their_request_and_never_leave_the_vocabular
     engine = llm32.engine
     execute = engine.runner.execute
 
-    def nan_for_one(seqs, num_new_tokens):
-        sampling, logits, prompt_logits = execute(seqs, num_new_tokens)
-        logits = logits.clone()
-        for row, seq in enumerate(sampling):
+    def nan_for_one(batch):
+        step = execute(batch)
+        step.logits = step.logits.clone()
+        for row, seq in enumerate(step.seqs):
             if seq.token_ids[0] == 7:
-                logits[row] = float("nan")
-        return sampling, logits, prompt_logits
+                step.logits[row] = float("nan")
+        return step
 
     monkeypatch.setattr(engine.runner, "execute", nan_for_one)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
@@ -101,7 +101,7 @@ async def test_repeated_failed_steps_and_a_hung_step_make_the_engine_unhealthy()
         release = threading.Event()
         real = engine.engine.runner.execute
 
-        def broken(seqs, num_new_tokens):
+        def broken(batch):
             raise RuntimeError("device lost")
 
         engine.engine.runner.execute = broken
@@ -110,9 +110,9 @@ async def test_repeated_failed_steps_and_a_hung_step_make_the_engine_unhealthy()
             assert outs[-1].error
         assert "2 engine steps in a row failed" in engine.health_problem()
 
-        def hung(seqs, num_new_tokens):
+        def hung(batch):
             release.wait(30)
-            return real(seqs, num_new_tokens)
+            return real(batch)
 
         engine.engine.runner.execute = hung
         stream = engine.add_request("hung", "Hello", ORDINARY)

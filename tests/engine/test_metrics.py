@@ -15,7 +15,8 @@ CONTRACT = {
     "engine_request_success_total": "counter", "engine_time_to_first_token_seconds": "histogram",
     "engine_inter_token_latency_seconds": "histogram", "engine_e2e_request_latency_seconds": "histogram",
     "engine_request_queue_time_seconds": "histogram", "engine_iteration_tokens": "histogram",
-    "engine_steps_total": "counter",
+    "engine_steps_total": "counter", "engine_spec_decode_num_drafts_total": "counter",
+    "engine_spec_decode_num_draft_tokens_total": "counter", "engine_spec_decode_num_accepted_tokens_total": "counter",
 }
 
 
@@ -58,7 +59,8 @@ def test_every_contract_metric_is_exported_with_model_name():
     metrics.token(0.0, 0.1, 0.2, 0.3)
     metrics.finished(0.0, 0.3, "stop")
     stats = {"num_running": 1, "num_waiting": 2, "kv_blocks_free": 3, "kv_blocks_total": 4, "prompt_tokens": 5,
-             "generation_tokens": 2, "prefix_cache_queries": 5, "prefix_cache_hits": 1, "num_preemptions": 1, "num_steps": 2}
+             "generation_tokens": 2, "prefix_cache_queries": 5, "prefix_cache_hits": 1, "num_preemptions": 1, "num_steps": 2,
+                 "spec_drafts": 1, "spec_draft_tokens": 4, "spec_accepted_tokens": 3}
     metrics.flush(stats, step_tokens=6)
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(sink.registry).decode())}
     for name, kind in CONTRACT.items():  # prometheus_client names counter families without their _total
@@ -76,7 +78,8 @@ def test_standalone_sink_serves_on_loopback():
     sink = PrometheusSink()
     StepMetrics(sink, "m").flush({"num_running": 0, "num_waiting": 0, "kv_blocks_free": 1, "kv_blocks_total": 1,
                                   "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
-                                  "prefix_cache_hits": 0, "num_preemptions": 0, "num_steps": 1}, 0)
+                                  "prefix_cache_hits": 0, "num_preemptions": 0, "num_steps": 1,
+                                  "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}, 0)
     port = free_port()
     sink.serve(port)
     body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text

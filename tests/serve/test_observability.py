@@ -35,7 +35,8 @@ def obs_app(serve_app):
 
     from serve_app.app import build_app
 
-    engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8, "quantization": "nf4"}
+    engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8, "quantization": "nf4",
+              "speculative": {"num_speculative_tokens": 3, "disable_by_batch_size": 8}}
     # NF4 through bitsandbytes is slow on CPUs without AVX-512 (an AVX2 EPYC ran past the session app's 60 s): this
     # test is about metrics, not deadlines
     args = {**serve_app["args"], "served_model_name": MODEL, "engine": engine, "request_timeout_s": 300}
@@ -149,6 +150,7 @@ def test_every_panel_and_rule_evaluates_against_live_prometheus(obs_app, prometh
     assert generated <= sent["completion_tokens"] + sent["cancelled_max_tokens"], (generated, sent)
     wait_for(prometheus, f"sum(ray_engine_num_preemptions_total{{{selector}}})", lambda v: v > 0)
     wait_for(prometheus, f"sum(ray_engine_prefix_cache_hits_total{{{selector}}})", lambda v: v > 0)
+    wait_for(prometheus, f"sum(ray_engine_spec_decode_num_draft_tokens_total{{{selector}}})", lambda v: v > 0)
     time.sleep(3)  # one more scrape, so every rate() has two samples after the last event
 
     empty = []

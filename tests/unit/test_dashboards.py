@@ -13,7 +13,8 @@ from dashboards.build import OUT, panel_queries, render
 ROOT = Path(__file__).resolve().parents[2]
 PANELS_ASKED_FOR = ["Requests/s by HTTP status", "End-to-end latency", "Time to first token", "Inter-token latency",
                     "Tokens/s", "Running and waiting requests", "KV cache usage", "Preemptions/s",
-                    "Prefix-cache hit rate", "Replicas", "Ingress queue", "Error ratio (5xx)"]
+                    "Prefix-cache hit rate", "Replicas", "Ingress queue", "Error ratio (5xx)",
+                    "Speculative tokens/s", "Speculative acceptance rate"]
 
 
 def test_committed_dashboards_match_the_generator():

@@ -169,3 +169,39 @@ def test_finite_rows_always_get_a_token_even_at_extreme_temperatures():
 def test_a_temperature_below_epsilon_is_greedy():
     assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=1e-40).temperature == 0.0
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+@pytest.mark.parametrize("params, draft", [
+    (SamplingParams(temperature=1.0, seed=5), 0),  # the likeliest token proposed
+    (SamplingParams(temperature=1.0, seed=6), 4),  # an unlikely one
+    (SamplingParams(temperature=0.7, top_k=5, seed=7), 2),
+    (SamplingParams(temperature=1.3, top_p=0.9, seed=8), 7),  # a draft outside the nucleus: never accepted
+])
+def test_verifying_a_draft_keeps_the_rows_distribution(params, draft):
+    """Speculative sampling must not change what a sampled request draws: chi-square of 6,000 draws with a draft
+    against the row's own distribution (the draws without one), at p < 0.001."""
+    n = 6000
+    logits = LOGITS.repeat(n, 1)
+    sampler = Sampler()
+    generator = make_generator(params, torch.device("cpu"))
+    with_draft = sampler(logits, [params] * n, [generator] * n, [[]] * n, draft_token_ids=[draft] * n)[0]
+    plain = sampler(logits, [params] * n, [generator] * n, [[]] * n)[0]
+    support = sorted(set(plain))
+    expected = {t: plain.count(t) / n for t in support}
+    assert set(with_draft) <= set(support), "a draft the row could not produce was accepted"
+    chi2 = sum((with_draft.count(t) - n * p) ** 2 / (n * p) for t, p in expected.items())
+    critical = {1: 10.8, 2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5, 6: 22.5, 7: 24.3}[len(support) - 1] if len(support) > 1 else 0
+    assert chi2 <= critical, (chi2, expected, {t: with_draft.count(t) / n for t in support})
+
+
+def test_a_greedy_row_ignores_its_draft_and_an_invalid_row_stays_invalid():
+    sampler = Sampler()
+    greedy = SamplingParams(temperature=0.0)
+    assert sampler(LOGITS, [greedy], [None], [[]], draft_token_ids=[3])[0] == [0]
+    params = SamplingParams(temperature=1.0, seed=1)
+    nan = torch.full((1, VOCAB), float("nan"))
+    assert sampler(nan, [params], [make_generator(params, torch.device("cpu"))], [[]], draft_token_ids=[2])[0] == [INVALID_TOKEN]
+    banned = SamplingParams(temperature=1.0, seed=1, logit_bias={t: -100 for t in range(VOCAB)})
+    tokens = sampler(LOGITS, [banned], [make_generator(banned, torch.device("cpu"))], [[]], draft_token_ids=[2],
+                     banned_token_ids=[set(range(VOCAB))])[0]
+    assert tokens == [INVALID_TOKEN], "a row left with nothing to choose does not accept its draft"

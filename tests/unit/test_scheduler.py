@@ -13,7 +13,9 @@ from engine.sequence import Sequence, SequenceStatus
 class FakeEngine:
     """Drives the scheduler like LLMEngine.step does; the 'KV' of a slot is the token id computed into it."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, prefix_caching=True):
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, prefix_caching=True, drafts=0,
+                 wrong_draft_at=None):
+        self.drafts, self.wrong_draft_at = drafts, wrong_draft_at  # speculative drafts per step; where one goes wrong
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.bm, max_num_seqs, max_tokens_per_step)
         self.pool = [None] * (num_blocks * block_size)
@@ -25,21 +27,41 @@ class FakeEngine:
         return s
 
     def step(self):
+        self.propose()
         batch = self.scheduler.schedule()
         self.check_invariants(batch)
-        for s, n in zip(batch.seqs, batch.num_new_tokens):
-            for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
-                self.assert_context_intact(s, pos)
-                self.pool[self.slot(s, pos)] = s.token_ids[pos]
+        for s, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.draft_token_ids):
+            inputs = s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n - len(drafts)] + drafts
+            for pos, token in enumerate(inputs, start=s.num_computed_tokens):
+                self.assert_context_intact(s, min(pos, len(s)))
+                self.pool[self.slot(s, pos)] = token
         self.scheduler.mark_computed(batch)
-        for s in batch.seqs:
+        for s, drafts in zip(batch.seqs, batch.draft_token_ids):
             if s.num_computed_tokens == len(s):
-                s.append_token(len(s) % 7)  # deterministic 'sampling', so prefixes repeat
-                if s.num_output_tokens >= s.params.max_tokens:
-                    self.scheduler.finish(s, "length")
-                    self.finished.append(s)
+                self.sample(s, drafts)
         self.finished += batch.out_of_memory
         return batch
+
+    def sample(self, s, drafts):
+        """Deterministic 'sampling' (so prefixes repeat), keeping the drafts that match it, as LLMEngine does."""
+        for i in range(len(drafts) + 1):
+            if i:
+                self.scheduler.accept_draft(s)
+            s.append_token(len(s) % 7)
+            if s.num_output_tokens >= s.params.max_tokens:
+                self.scheduler.finish(s, "length")
+                self.finished.append(s)
+                return
+            if i == len(drafts) or drafts[i] != s.token_ids[-1]:
+                break
+        if drafts:
+            self.scheduler.release_rejected(s)
+
+    def propose(self):
+        """Drafts for decoding sequences: the tokens sampling will give, with one wrong at `wrong_draft_at`."""
+        for s in self.scheduler.running if self.drafts else ():
+            if s.num_uncomputed_tokens == 1:
+                s.draft_token_ids = [(len(s) + i) % 7 + (7 if i == self.wrong_draft_at else 0) for i in range(self.drafts)]
 
     def slot(self, s, pos):
         bs = self.bm.block_size
@@ -99,6 +121,56 @@ def test_random_workloads_keep_every_invariant_and_finish(requests, num_blocks, 
     engine.drain()
     assert all(s.is_finished for s in seqs)
     assert engine.bm.num_free_blocks == num_blocks, "every block returns to the pool"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    requests=st.lists(st.tuples(prompts, st.integers(1, 20)), min_size=1, max_size=10),
+    num_blocks=st.integers(4, 40),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(8, 64),
+    drafts=st.integers(1, 5),
+    wrong_draft_at=st.one_of(st.none(), st.integers(0, 4)),
+)
+def test_speculative_drafts_keep_every_invariant_and_the_kv_of_rejected_drafts_never_counts(
+        requests, num_blocks, block_size, budget, drafts, wrong_draft_at):
+    """assert_context_intact reads every computed position back before each write: a rejected draft's slot counted
+    as computed, or a published block holding one, would show there."""
+    budget = max(budget, block_size)
+    engine = FakeEngine(num_blocks, block_size, 4, budget, drafts=drafts, wrong_draft_at=wrong_draft_at)
+    seqs = [engine.add(str(i), p, m) for i, (p, m) in enumerate(requests) if len(p) < num_blocks * block_size]
+    engine.drain()
+    assert all(s.is_finished for s in seqs)
+    assert all(s.output_token_ids == [n % 7 for n in range(s.num_prompt_tokens, len(s))] for s in seqs
+               if s.finish_reason == "length" and s.num_output_tokens == s.params.max_tokens)
+    assert engine.bm.num_free_blocks == num_blocks, "every block returns to the pool"
+
+
+def test_drafts_are_scheduled_after_the_last_token_within_the_budget_and_never_preempt():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=20))
+    scheduler.add(a)
+    scheduler.mark_computed(scheduler.schedule())
+    a.append_token(4)
+    a.draft_token_ids = [5, 6, 7]
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [4] and batch.draft_token_ids == [[5, 6, 7]] and a.draft_token_ids == []
+    assert len(a.block_table) == 2  # slots 0..6
+    scheduler.mark_computed(batch)
+    assert a.num_computed_tokens == 4, "a draft's slot counts only once it is confirmed"
+    a.append_token(5)
+    scheduler.accept_draft(a)
+    a.append_token(9)  # the model chose 9 where the draft said 6
+    scheduler.release_rejected(a)
+    assert a.num_computed_tokens == 5 and len(a) == 6 and len(a.block_table) == 2
+    a.draft_token_ids = [1, 2, 3, 4, 5, 6, 7]
+    batch = scheduler.schedule()  # 7 drafts need a fourth block: halved until they fit the pool
+    assert batch.num_new_tokens == [4] and batch.draft_token_ids == [[1, 2, 3]] and not batch.preempted
+    scheduler.mark_computed(batch)
+    a.append_token(7)  # all three drafts rejected
+    scheduler.release_rejected(a)
+    assert len(a.block_table) == 2 and bm.num_free_blocks == 1, "the block that only held rejected drafts is back"
 
 
 def test_waiting_requests_are_admitted_in_arrival_order():
