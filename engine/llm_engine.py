@@ -25,7 +25,7 @@ from engine.sampler import INVALID_TOKEN, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
-from engine.speculative import accepted_length, propose_ngram
+from engine.speculative import StepCosts, accepted_length, expected_accepted, propose_ngram
 from engine.structured_output import GrammarCompiler, allowed_tokens
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class LLMEngine:
         self._inbox_lock = threading.Lock()
         self._new_seqs: list[Sequence] = []
         self._aborts: list[str] = []
+        self.step_costs = StepCosts()  # decode-only step time by rows, what drafting is weighed against
         self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0,
                          "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.consecutive_failed_steps = 0  # steps in a row in which no request could run
@@ -279,7 +280,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.out_of_memory]
         if batch:
+            run_start = time.perf_counter()
             outputs += self._run(batch)
+            if all(n - len(d) == 1 for n, d in zip(batch.num_new_tokens, batch.draft_token_ids)):
+                self.step_costs.record(batch.num_tokens, time.perf_counter() - run_start)
         self.counters["num_steps"] += 1
         for out in outputs:
             if out.finished:
@@ -405,16 +409,33 @@ class LLMEngine:
         self.scheduler.release_rejected(seq)
 
     def _propose_drafts(self) -> None:
-        """Before scheduling: n-gram drafts for each decoding sequence that may speculate, while the batch is small."""
+        """Before scheduling: n-gram drafts for the decoding sequences that may speculate, while the batch is small,
+        for as many of them (likeliest to be accepted first) as make the most tokens a second by the measured cost of
+        a step's rows."""
         spec = self.config.speculative
         running = self.scheduler.running
         if spec is None or not running or len(running) > spec.disable_by_batch_size:
             return
+        proposals = []
         for seq in running:
             budget = self._draft_budget(seq)
             if budget and seq.draft_stats.may_propose():
-                seq.draft_token_ids = propose_ngram(seq.token_ids, budget, spec.prompt_lookup_min,
-                                                    spec.prompt_lookup_max, spec.lookup_window)
+                drafts = propose_ngram(seq.token_ids, budget, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                       spec.lookup_window)
+                if drafts:
+                    proposals.append((seq, drafts))
+        if spec.weigh_cost and proposals:
+            proposals = self._drafts_worth_their_rows(proposals, running)
+        for seq, drafts in proposals:
+            seq.draft_token_ids = drafts
+
+    def _drafts_worth_their_rows(self, proposals: list, running: list[Sequence]) -> list:
+        if any(seq.num_uncomputed_tokens != 1 for seq in running):
+            return []  # a step with a prefill chunk is not a decode step: what drafts cost there is not measured
+        proposals.sort(key=lambda p: -p[0].draft_stats.acceptance)
+        worth = self.step_costs.best_share(len(running), [(len(d), expected_accepted(s.draft_stats.acceptance, len(d)))
+                                                          for s, d in proposals])
+        return proposals[:worth]
 
     def _draft_budget(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
@@ -424,7 +445,7 @@ class LLMEngine:
                 or seq.num_output_tokens < params.min_tokens):
             return 0
         room = min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
-        return max(0, min(self.config.speculative.num_speculative_tokens, room))
+        return max(0, min(seq.draft_stats.next_length(self.config.speculative.num_speculative_tokens), room))
 
     def _record_prompt_logprobs(self, part: PromptLogits) -> None:
         """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""

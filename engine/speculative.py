@@ -40,18 +40,59 @@ def accepted_length(drafts: list[int], targets: list[int]) -> int:
 
 @dataclass
 class DraftStats:
-    """A sequence's running acceptance rate; speculation pauses for it while the rate is low."""
+    """A sequence's draft length and running acceptance rate. The length follows what was accepted (one more than
+    the last verification confirmed, up to k), so each draft row tends to be one that pays; speculation pauses while
+    the rate is low."""
 
     acceptance: float = 1.0  # exponential moving average of accepted / proposed per verification
     paused_steps: int = 0
+    length: int | None = None  # drafts to propose next; None: k
 
     def record(self, proposed: int, accepted: int, config: SpeculativeConfig) -> None:
+        self.length = accepted + 1
         self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / proposed)
         if self.acceptance < config.min_acceptance:
             self.paused_steps, self.acceptance = config.pause_steps, config.min_acceptance * 2
+
+    def next_length(self, k: int) -> int:
+        return k if self.length is None else min(k, self.length)
 
     def may_propose(self) -> bool:
         if self.paused_steps:
             self.paused_steps -= 1
             return False
         return True
+
+
+def expected_accepted(acceptance: float, length: int) -> float:
+    """Drafts expected to be confirmed out of `length`, if each is with probability `acceptance` given the last was."""
+    return sum(acceptance**i for i in range(1, length + 1))
+
+
+class StepCosts:
+    """Seconds a decode-only step takes by its number of rows, as this engine measures them (moving averages): what
+    verifying drafts really costs on this CPU, these weights and this batch."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        previous = self.seconds.get(rows)
+        self.seconds[rows] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def best_share(self, decodes: int, drafts: list[tuple[int, float]]) -> int:
+        """How many of `drafts` (rows, expected accepted tokens), taken in order, make the most tokens a second.
+        A row count not measured yet counts as worth trying once, so that it gets measured."""
+        base = self.seconds.get(decodes)
+        if base is None:
+            return 0  # measure the plain step first
+        best, best_rate = 0, decodes / base
+        rows, tokens = decodes, float(decodes)
+        for i, (draft_rows, expected) in enumerate(drafts, start=1):
+            rows, tokens = rows + draft_rows, tokens + expected
+            cost = self.seconds.get(rows)
+            if cost is None:
+                return i
+            if tokens / cost > best_rate:
+                best, best_rate = i, tokens / cost
+        return best

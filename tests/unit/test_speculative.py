@@ -1,6 +1,6 @@
 """N-gram proposals and the acceptance bookkeeping of speculative decoding (pure logic)."""
 from engine.config import SpeculativeConfig
-from engine.speculative import DraftStats, accepted_length, propose_ngram
+from engine.speculative import DraftStats, StepCosts, accepted_length, expected_accepted, propose_ngram
 
 
 def propose(tokens, k=3, min_n=1, max_n=3, window=1000):
@@ -55,3 +55,35 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_then_tries_again():
     assert stats.may_propose(), "four misses after a good run are not enough (0.7^4 = 0.24 of the rate is left)"
     stats.record(4, 0, config)
     assert [stats.may_propose() for _ in range(4)] == [False, False, False, True]
+
+
+def test_the_draft_length_follows_what_was_accepted():
+    config = SpeculativeConfig(min_acceptance=0.0)
+    stats = DraftStats()
+    assert stats.next_length(4) == 4
+    stats.record(4, 1, config)
+    assert stats.next_length(4) == 2
+    stats.record(2, 2, config)  # all confirmed: one more next time
+    assert stats.next_length(4) == 3
+    stats.record(3, 0, config)
+    assert stats.next_length(4) == 1
+    stats.record(1, 1, config)
+    stats.record(2, 2, config)
+    stats.record(3, 3, config)
+    stats.record(4, 4, config)
+    assert stats.next_length(4) == 4, "never past k"
+
+
+def test_drafts_go_to_the_sequences_that_pay_for_their_rows():
+    costs = StepCosts()
+    drafts = [(4, expected_accepted(0.9, 4)), (4, expected_accepted(0.3, 4))]
+    assert costs.best_share(2, drafts) == 0, "the plain step is measured first"
+    costs.record(2, 0.020)
+    assert costs.best_share(2, drafts) == 1, "an unmeasured row count is tried"
+    costs.record(6, 0.024)  # four more rows cost 20% more: 2 + 3.1 tokens instead of 2 pays
+    assert costs.best_share(2, drafts) == 2
+    costs.record(10, 0.060)  # four more again cost 2.5x: 2 + 3.1 + 0.4 tokens in 60 ms is worse than 5.1 in 24
+    assert costs.best_share(2, drafts) == 1
+    costs.seconds[6] = 0.060  # drafting costs triple: none pays
+    assert costs.best_share(2, drafts) == 0
+    assert round(expected_accepted(0.5, 3), 3) == 0.875
