@@ -25,7 +25,8 @@ from engine.sampler import INVALID_TOKEN, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
-from engine.speculative import StepCosts, accepted_length, expected_accepted, propose_ngram
+from engine.speculative import COUNTERS as SPEC_COUNTERS
+from engine.speculative import Speculator, accepted_length
 from engine.structured_output import GrammarCompiler, allowed_tokens
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,8 @@ class LLMEngine:
         self._inbox_lock = threading.Lock()
         self._new_seqs: list[Sequence] = []
         self._aborts: list[str] = []
-        self.step_costs = StepCosts()  # decode-only step time by rows, what drafting is weighed against
-        self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0,
-                         "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
         self.consecutive_failed_steps = 0  # steps in a row in which no request could run
         self.step_started_at: float | None = None  # monotonic; None between steps
         log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
@@ -276,14 +276,15 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs = self._drain_inbox()
-        self._propose_drafts()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._draft_room)
         batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.out_of_memory]
         if batch:
             run_start = time.perf_counter()
             outputs += self._run(batch)
-            if all(n - len(d) == 1 for n, d in zip(batch.num_new_tokens, batch.draft_token_ids)):
-                self.step_costs.record(batch.num_tokens, time.perf_counter() - run_start)
+            if self.speculator is not None:
+                self.speculator.step_ran(batch.num_new_tokens, batch.draft_token_ids, time.perf_counter() - run_start)
         self.counters["num_steps"] += 1
         for out in outputs:
             if out.finished:
@@ -367,7 +368,8 @@ class LLMEngine:
         for seq, seq_tokens, seq_logprobs, seq_drafts in emitted:
             outputs.append(self._append_tokens(seq, seq_tokens, seq_logprobs))
             if seq_drafts:
-                self._record_drafts(seq, seq_drafts, len(seq_tokens) - 1)
+                self.speculator.verified(seq, seq_drafts, len(seq_tokens) - 1)
+                self.scheduler.release_rejected(seq)
         return outputs
 
     def _sample(self, step: StepLogits, drafts: dict[str, list[int]]) -> tuple[list[int], list]:
@@ -401,51 +403,14 @@ class LLMEngine:
                 break
         return self._output(seq)
 
-    def _record_drafts(self, seq: Sequence, drafts: list[int], accepted: int) -> None:
-        self.counters["spec_drafts"] += 1
-        self.counters["spec_draft_tokens"] += len(drafts)
-        self.counters["spec_accepted_tokens"] += accepted
-        seq.draft_stats.record(len(drafts), accepted, self.config.speculative)
-        self.scheduler.release_rejected(seq)
-
-    def _propose_drafts(self) -> None:
-        """Before scheduling: n-gram drafts for the decoding sequences that may speculate, while the batch is small,
-        for as many of them (likeliest to be accepted first) as make the most tokens a second by the measured cost of
-        a step's rows."""
-        spec = self.config.speculative
-        running = self.scheduler.running
-        if spec is None or not running or len(running) > spec.disable_by_batch_size:
-            return
-        proposals = []
-        for seq in running:
-            budget = self._draft_budget(seq)
-            if budget and seq.draft_stats.may_propose():
-                drafts = propose_ngram(seq.token_ids, budget, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                       spec.lookup_window)
-                if drafts:
-                    proposals.append((seq, drafts))
-        if spec.weigh_cost and proposals:
-            proposals = self._drafts_worth_their_rows(proposals, running)
-        for seq, drafts in proposals:
-            seq.draft_token_ids = drafts
-
-    def _drafts_worth_their_rows(self, proposals: list, running: list[Sequence]) -> list:
-        if any(seq.num_uncomputed_tokens != 1 for seq in running):
-            return []  # a step with a prefill chunk is not a decode step: what drafts cost there is not measured
-        proposals.sort(key=lambda p: -p[0].draft_stats.acceptance)
-        worth = self.step_costs.best_share(len(running), [(len(d), expected_accepted(s.draft_stats.acceptance, len(d)))
-                                                          for s, d in proposals])
-        return proposals[:worth]
-
-    def _draft_budget(self, seq: Sequence) -> int:
+    def _draft_room(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
         the same step (penalties, a grammar, min_tokens), and never past max_tokens or the context."""
         params, state = seq.params, seq.runtime
         if (seq.num_uncomputed_tokens != 1 or params.has_penalties or state.grammar is not None
                 or seq.num_output_tokens < params.min_tokens):
             return 0
-        room = min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
-        return max(0, min(seq.draft_stats.next_length(self.config.speculative.num_speculative_tokens), room))
+        return min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
 
     def _record_prompt_logprobs(self, part: PromptLogits) -> None:
         """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""
@@ -568,6 +533,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "consecutive_failed_steps": self.consecutive_failed_steps,
             **self.counters,
+            **(self.speculator.counters if self.speculator is not None else dict.fromkeys(SPEC_COUNTERS, 0)),
         }
 
 

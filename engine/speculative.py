@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from engine.config import SpeculativeConfig
 
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
 TOKEN_BYTES = array("i").itemsize
+COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")  # keys of LLMEngine.stats()
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int, window: int) -> list[int]:
@@ -96,3 +101,52 @@ class StepCosts:
             if tokens / cost > best_rate:
                 best, best_rate = i, tokens / cost
         return best
+
+
+class Speculator:
+    """Which running sequences draft before a step, and how many tokens; and what their drafts came to. The engine
+    verifies; this only proposes and keeps count."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.costs = StepCosts()
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    def propose(self, running: list[Sequence], room: Callable[[Sequence], int]) -> None:
+        """Set `draft_token_ids` of the sequences that draft: none past `disable_by_batch_size`; each at most
+        `room(seq)` tokens and its own draft length; with `weigh_cost`, only as many sequences (likeliest to be
+        accepted first) as make the most tokens a second by the measured cost of a step's rows."""
+        config = self.config
+        if not running or len(running) > config.disable_by_batch_size:
+            return
+        proposals = []
+        for seq in running:
+            budget = min(room(seq), seq.draft_stats.next_length(config.num_speculative_tokens))
+            if budget > 0 and seq.draft_stats.may_propose():
+                drafts = propose_ngram(seq.token_ids, budget, config.prompt_lookup_min, config.prompt_lookup_max,
+                                       config.lookup_window)
+                if drafts:
+                    proposals.append((seq, drafts))
+        if config.weigh_cost and proposals:
+            proposals = self._worth_their_rows(proposals, running)
+        for seq, drafts in proposals:
+            seq.draft_token_ids = drafts
+
+    def _worth_their_rows(self, proposals: list, running: list[Sequence]) -> list:
+        if any(seq.num_uncomputed_tokens != 1 for seq in running):
+            return []  # a step with a prefill chunk is not a decode step: what drafts cost there is not measured
+        proposals.sort(key=lambda p: -p[0].draft_stats.acceptance)
+        worth = self.costs.best_share(len(running), [(len(d), expected_accepted(s.draft_stats.acceptance, len(d)))
+                                                     for s, d in proposals])
+        return proposals[:worth]
+
+    def verified(self, seq: Sequence, drafts: list[int], accepted: int) -> None:
+        self.counters["spec_drafts"] += 1
+        self.counters["spec_draft_tokens"] += len(drafts)
+        self.counters["spec_accepted_tokens"] += accepted
+        seq.draft_stats.record(len(drafts), accepted, self.config)
+
+    def step_ran(self, num_new_tokens: list[int], drafts: list[list[int]], seconds: float) -> None:
+        """Time a decode-only step (every sequence one real token, drafts aside) by its rows."""
+        if all(n - len(d) == 1 for n, d in zip(num_new_tokens, drafts)):
+            self.costs.record(sum(num_new_tokens), seconds)

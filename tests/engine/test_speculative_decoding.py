@@ -65,3 +65,11 @@ def test_logprobs_stops_and_lengths_hold_under_speculation(llm32):
     sampled = llm.chat(CHATS[:2], SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
                        use_tqdm=False)
     assert all(o.error is None and len(o.token_ids) == 24 for o in sampled)
+
+
+def test_by_default_drafts_are_weighed_against_measured_step_costs(reference):
+    llm = LLM(dtype="float32", num_kv_blocks=128, speculative=SpeculativeConfig())
+    assert_same(llm.chat(CHATS[:1], GREEDY, use_tqdm=False), reference[:1])
+    timed = llm.engine.speculator.costs.seconds
+    assert 1 in timed, "the plain decode step is timed before any draft"
+    assert len(timed) > 1, "a row count not timed yet is tried once"
