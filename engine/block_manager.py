@@ -129,22 +129,12 @@ class BlockManager:
         """Release the blocks past the first `num_tokens` slots (written, never computed: rejected speculative drafts)."""
         assert num_tokens >= seq.num_computed_tokens, f"trim({seq}, {num_tokens}) would drop computed tokens"
         while len(seq.block_table) > self.blocks_needed(num_tokens):
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block.block_id] = None
-                self.free_blocks.move_to_end(block.block_id, last=False)
+            self._release(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the shared head of a prefix outlives it in the free list.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"{block} freed twice"
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.hash == NO_HASH:
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -158,6 +148,16 @@ class BlockManager:
                 self._evict(block)
         block.ref_count += 1
         return block_id
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; a block nobody holds returns to the free list, at the front unless it is cached."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"{block} freed twice"
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.hash == NO_HASH:
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def _evict(self, block: Block) -> None:
         self.prefix_cache_evictions += 1

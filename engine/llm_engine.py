@@ -374,17 +374,21 @@ class LLMEngine:
 
     def _sample(self, step: StepLogits, drafts: dict[str, list[int]]) -> tuple[list[int], list]:
         """One token per logits row; a sequence with drafts has a row for each draft and one for the bonus token."""
-        row_seqs = [seq for seq, rows in zip(step.seqs, step.rows) for _ in range(rows)]
-        params = [seq.params for seq in row_seqs]
+        def per_row(values: list) -> list:  # one value per sequence, repeated for each of its rows
+            return [value for value, rows in zip(values, step.rows) for _ in range(rows)]
+
+        seqs = step.seqs
+        params = per_row([seq.params for seq in seqs])
         return self.sampler(
             step.logits,
             params,
-            [seq.runtime.generator for seq in row_seqs],
-            [seq.output_token_ids for seq in row_seqs],
-            prompt_token_ids=[seq.prompt_token_ids for seq in row_seqs] if any(
+            per_row([seq.runtime.generator for seq in seqs]),
+            per_row([seq.output_token_ids for seq in seqs]),
+            prompt_token_ids=per_row([seq.prompt_token_ids for seq in seqs]) if any(
                 p.repetition_penalty != 1.0 for p in params) else None,
-            banned_token_ids=[self._not_yet_allowed(seq) for seq in row_seqs],
-            allowed=allowed_tokens([seq.runtime.grammar for seq in row_seqs], step.logits.shape[1], step.logits.device),
+            banned_token_ids=per_row([self._not_yet_allowed(seq) for seq in seqs]),
+            allowed=allowed_tokens(per_row([seq.runtime.grammar for seq in seqs]), step.logits.shape[1],
+                                   step.logits.device),
             draft_token_ids=[d for seq in step.seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
         )
 

@@ -24,10 +24,6 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(map(len, self.draft_token_ids))
-
     def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
