@@ -24,7 +24,8 @@ def teacher_forced_logprobs(hf_model, prompt_ids: list[int], output_ids: list[in
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def assert_matches_hf(hf_model, prompt_ids: list[int], output, label: str = "") -> int:
+def assert_matches_hf(hf_model, prompt_ids: list[int], output, label: str = "",
+                      logprob_tolerance: float = LOGPROB_TOLERANCE) -> int:
     """Every position: the engine's token is HF's argmax (or within NEAR_TIE of it) and, where the engine reported
     logprobs, its logprob is HF's within LOGPROB_TOLERANCE. Returns how many positions were exact argmax."""
     reference = teacher_forced_logprobs(hf_model, prompt_ids, output.token_ids)
@@ -37,7 +38,7 @@ def assert_matches_hf(hf_model, prompt_ids: list[int], output, label: str = "") 
         exact += token == best
         if output.logprobs is not None:
             got = output.logprobs[position][token]
-            assert abs(got - float(row[token])) < LOGPROB_TOLERANCE, \
+            assert abs(got - float(row[token])) < logprob_tolerance, \
                 f"{label}: token {position} logprob {got:.6f}, HF {float(row[token]):.6f}"
     return exact
 

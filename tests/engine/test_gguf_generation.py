@@ -12,6 +12,9 @@ from tests.engine.test_parity import varied_prompts
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 48
+# The AVX2 block kernel rounds activations to 16 bits per 32-element block (engine/csrc/quantized_matmul_cpu.cpp):
+# on the 16 parity prompts its logprob gaps to HF were median 1e-4, max 2.9e-3 (the fp32 paths: ~2e-5)
+BLOCKS_LOGPROB_TOLERANCE = 5e-3
 
 
 def block_linears(llm: LLM) -> list[Linear]:
@@ -29,7 +32,7 @@ def test_every_matmul_on_blocks_matches_hf_on_the_dequantized_weights(tokenizer)
                            use_tqdm=False)
     assert_varied(outputs)
     hf_model = load_hf_model("SmolLM2-135M-Instruct")
-    exact = sum(assert_matches_hf(hf_model, prompt, out, f"gguf prompt {i}") for i, (prompt, out) in enumerate(zip(prompts, outputs)))
+    exact = sum(assert_matches_hf(hf_model, prompt, out, f"gguf prompt {i}", BLOCKS_LOGPROB_TOLERANCE) for i, (prompt, out) in enumerate(zip(prompts, outputs)))
     assert exact >= len(prompts) * NEW_TOKENS - 2
 
 
