@@ -43,7 +43,7 @@ def int4(codes, scales, mins, dtype):
 
 
 def blocks(codes, scales, mins, dtype):
-    """The engine's own exact Q4 block kernel (fp32 accumulation), as `quantization: gguf` runs it."""
+    """The engine's own Q4 block kernel (exact weights, fp32 accumulation), as `quantization: gguf` runs it."""
     from engine.layers.quantized import BlockWeight, block_matmul
 
     n, k = codes.shape

@@ -1,10 +1,12 @@
 """Matmuls straight from GGUF blocks (Q4_0/Q4_1/Q8_0, see `engine/models/gguf.py`), for the few rows of a decode
 step at low load, where reading the weights is the whole cost: Q4_1 is about a sixth of fp32's bytes.
 
-The kernel (`engine/csrc/quantized_matmul_cpu.cpp`) dequantizes each block in registers to the exact value the file
-holds and accumulates in fp32, so it matches the dequantized fp32 matmul within fp32 rounding, whatever the model's
-dtype. It loses to oneDNN's packed dense matmul past a few rows (`benchmarks/int4_matmul.py`), so a `Linear` with
-blocks keeps its packed dense copy too and picks by row count, at a crossover measured on this CPU at load.
+The kernel (`engine/csrc/quantized_matmul_cpu.cpp`) uses each block's exact values and accumulates in fp32, whatever
+the model's dtype. Its AVX-512 and portable builds match the dequantized fp32 matmul within fp32 rounding; its AVX2
+build rounds the activations to 16 bits per 32-element block first (at most 2^-16 of the block's largest |x|), which
+is what makes it fast on CPUs whose 256-bit conversions are slow. It loses to oneDNN's packed dense matmul past a
+few rows (`benchmarks/int4_matmul.py`), so a `Linear` with blocks keeps its packed dense copy too and picks by row
+count, at a crossover measured on this CPU at load.
 """
 from __future__ import annotations
 
