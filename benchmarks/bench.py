@@ -26,7 +26,7 @@ from engine import LLM, SamplingParams, StructuredOutput
 from engine.config import DEFAULT_MODEL
 from engine.metrics import PrometheusSink, StepMetrics
 from engine.models import resolve_model_path
-from workload import Request, chat_workload  # the sibling script
+from workload import WORKLOADS, Request  # the sibling script
 
 app = typer.Typer(add_completion=False)
 console = Console()
@@ -114,6 +114,7 @@ def median_of(runs: int, fn: Callable[[], dict], label: str) -> dict:
 
 @app.command()
 def main(
+    workload: str = typer.Option("chat", help="prompts: chat (synthetic) or loadtest (the load test's mix)"),
     num_requests: int = typer.Option(256, help="requests in the workload"),
     min_tokens: int = typer.Option(16, help="shortest output"),
     max_tokens: int = typer.Option(256, help="longest output"),
@@ -138,7 +139,9 @@ def main(
         from speculative import main as speculation_off_and_on  # the sibling script
 
         return speculation_off_and_on(runs=runs, out_dir=out_dir)
-    requests = chat_workload(num_requests, min_tokens, max_tokens, seed)
+    if workload not in WORKLOADS:
+        raise typer.BadParameter(f"unknown workload {workload!r}; known: {sorted(WORKLOADS)}")
+    requests = WORKLOADS[workload](num_requests, min_tokens, max_tokens, seed)
     thread_counts = [int(t) for t in threads.split(",")]
     results: dict[str, dict] = {}
     for t in thread_counts:
@@ -162,7 +165,8 @@ def main(
         console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
         results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top, dtype))
     report(results, requests, dict(model=model, dtype=dtype, runs=runs, quantizations=quantizations,
-                                   schema_shares=schema_shares, cpu_flags=cpu_flags(), num_requests=num_requests,
+                                   schema_shares=schema_shares, cpu_flags=cpu_flags(), workload=workload,
+                                   num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens), out_dir)
 

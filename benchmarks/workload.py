@@ -1,4 +1,4 @@
-"""Seeded synthetic chat workloads for the benchmark."""
+"""Seeded chat workloads for the benchmarks: a synthetic mix, a copy-heavy one, and the load test's own prompts."""
 from __future__ import annotations
 
 import random
@@ -46,3 +46,15 @@ def copy_workload(num_requests: int = 16, max_tokens: int = 128, seed: int = 0) 
         content = rng.choice(COPY_TASKS).format(p=paragraphs)
         requests.append(Request([{"role": "user", "content": content}], max_tokens))
     return requests
+
+
+def loadtest_workload(num_requests: int = 256, min_tokens: int = 16, max_tokens: int = 256, seed: int = 0) -> list[Request]:
+    """The load test's prompt mix (loadtest/prompts.py: stories, questions, long summaries, a shared system prompt),
+    so an offline figure and a served one come from the same prompts; output lengths seeded as chat_workload's."""
+    from loadtest.prompts import load_prompts
+
+    rng = random.Random(seed)
+    return [Request(p.messages, rng.randint(min_tokens, max_tokens)) for p in load_prompts(num_requests, seed)]
+
+
+WORKLOADS = {"chat": chat_workload, "loadtest": loadtest_workload}
