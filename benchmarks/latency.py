@@ -4,6 +4,7 @@ concurrent requests, for dense weights and the embedded GGUF's blocks, offline (
 decode step reads, over the machine's read bandwidth measured here by a large in-memory reduction.
 
 python benchmarks/latency.py --variants dense-float32,gguf-float32,gguf-bfloat16 --concurrency 1,2,4,8
+(a variant is weights-dtype[-layered], see `engine_for`)
 """
 from __future__ import annotations
 
@@ -53,9 +54,14 @@ def step_weight_bytes(llm_engine: LLMEngine, rows: int) -> int:
 
 
 def engine_for(variant: str, threads: int) -> LLMEngine:
-    weights, dtype = variant.split("-")
-    return LLMEngine(EngineConfig(dtype=dtype, num_threads=threads, quantization=None if weights == "dense" else "gguf",
-                                  num_kv_blocks=512, max_num_seqs=16))
+    """variant: weights-dtype, e.g. gguf-float32; a `-layered` suffix runs small decode steps layer by layer in
+    Python instead of as one native call (the comparison for `engine/csrc/decoder_cpu.cpp`)."""
+    weights, dtype, *layered = variant.split("-")
+    llm_engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=threads, quantization=None if weights == "dense" else "gguf",
+                                        num_kv_blocks=512, max_num_seqs=16))
+    if layered:
+        llm_engine.model.model.use_native_decode(False)
+    return llm_engine
 
 
 def offline_itl(llm_engine: LLMEngine, concurrency: int, tokens: int) -> list[float]:

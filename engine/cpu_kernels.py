@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (decode attention; matmuls over GGUF blocks; fused per-layer ops), compiled once on first use and cached by torch.
+"""The C++ CPU kernels (decode attention; matmuls over GGUF blocks; fused per-layer ops; every decoder layer of a
+decode step in one call), compiled once on first use into one module and cached by torch.
 
 Without a C++ compiler, attention falls back to the device-agnostic torch path. With one, a failed build is an
 error (`build_paged_decode` raises), so a broken kernel can never pass for a missing compiler.
@@ -33,44 +34,47 @@ def cpu_features_tag() -> str:
     return hashlib.blake2b(" ".join(sorted(flags.split())).encode(), digest_size=6).hexdigest()
 
 
-def _build(source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
-    """The compiled module; raises KernelBuildError where there is no compiler or the build fails. extra_cflags
-    (tests) builds a variant under its own name, e.g. `-mno-avx512f` for the AVX2 path on an AVX-512 CPU."""
+# One translation unit, in this order: the decoder (last) calls the others' kernels directly.
+UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "paged_attention_cpu.cpp", "quantized_matmul_cpu.cpp", "decoder_cpu.cpp")
+FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "q4_matmul", "q8_matmul",
+             "decode_layers"]
+
+
+@functools.cache
+def build_kernels(extra_cflags: tuple[str, ...] = ()):
+    """The compiled module of every kernel; raises KernelBuildError where there is no compiler or the build fails.
+    extra_cflags (tests) builds a variant under its own name, e.g. `-mno-avx512f` for the AVX2 paths on an AVX-512 CPU."""
     if not have_compiler():
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
     from torch.utils.cpp_extension import load_inline
 
-    stem = Path(source).stem
     variant = hashlib.blake2b(" ".join(extra_cflags).encode(), digest_size=3).hexdigest() if extra_cflags else ""
     try:
         return load_inline(
-            name=f"engine_{stem}_{cpu_features_tag()}{variant}",
-            cpp_sources=(SOURCES / source).read_text(),
-            functions=functions,
+            name=f"engine_cpu_kernels_{cpu_features_tag()}{variant}",
+            cpp_sources=[(SOURCES / name).read_text() for name in UNIT],
+            functions=FUNCTIONS,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", *extra_cflags],
             extra_ldflags=["-fopenmp", "-lmvec"],
             verbose=False,
         )
     except Exception as exc:
-        raise KernelBuildError(f"the C++ kernel {source} failed to build: {exc}") from exc
+        raise KernelBuildError(f"the C++ kernels in {SOURCES} failed to build: {exc}") from exc
 
 
-@functools.cache
 def build_paged_decode():
     """The compiled `paged_decode` function."""
-    return _build("paged_attention_cpu.cpp", ["paged_decode"]).paged_decode
+    return build_kernels().paged_decode
 
 
-@functools.cache
 def build_block_matmul(extra_cflags: tuple[str, ...] = ()):
     """The compiled module with `q4_matmul` and `q8_matmul` (GGUF block weights)."""
-    return _build("quantized_matmul_cpu.cpp", ["q4_matmul", "q8_matmul"], extra_cflags)
+    return build_kernels(extra_cflags)
 
 
-@functools.cache
 def build_fused_ops():
-    """The compiled module with `add_rms_norm`, `rotary_inplace`, `silu_and_mul` and `write_kv`."""
-    return _build("fused_ops_cpu.cpp", ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv"])
+    """The compiled module with `add_rms_norm`, `rotary_inplace`, `silu_and_mul`, `write_kv` and `decode_layers`."""
+    return build_kernels()
 
 
 def fused_ops():

@@ -41,7 +41,7 @@ void add_rms_norm_rows(const scalar_t* x, const scalar_t* residual, const scalar
 // -> (weight * norm(x + residual), x + residual); residual may be undefined (the first layer).
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps) {
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type());
   const bool has_residual = residual.has_value() && residual->defined();
   if (has_residual) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type());
@@ -64,7 +64,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 // convention of HF's rotate_half), at each token's position in the fp32 cos/sin tables [max_position, D / 2].
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t rotated_heads, int64_t head_dim) {
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && positions.scalar_type() == torch::kLong);
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2);
   const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), half = head_dim / 2;
@@ -92,7 +92,7 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 
 // SiLU(gate) * up over the merged gate/up output [T, 2 * I] -> [T, I].
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous());
   const int64_t tokens = gate_up.size(0), inner = gate_up.size(1) / 2;
   auto out = torch::empty({tokens, inner}, gate_up.options());
@@ -117,7 +117,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // Writes each new token's key and value [T, kv_heads, D] (rows may be strided views of the merged projection) into
 // its pool slot of the caches [kv_heads, num_blocks, block_size, D].
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots) {
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == torch::kLong);
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be dense in head_dim");

@@ -274,11 +274,11 @@ torch::Tensor block_matmul(const torch::Tensor& x, const torch::Tensor& q, const
 }  // namespace
 
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor mins) {
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   return block_matmul<Q4Block>(x, q, scales, mins);
 }
 
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   return block_matmul<Q8Block>(x, q, scales, c10::nullopt);
 }

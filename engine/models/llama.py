@@ -82,13 +82,40 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused = None
+        self.native_weights: list[torch.Tensor] | None = None  # set by `use_native_decode`
+        attention = self.layers[0].self_attn
+        self.shape = (attention.heads, attention.kv_heads, attention.head_dim, cfg.rms_norm_eps, attention.scaling)
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.decodes_natively(hidden, meta):
+            decode = meta.decode
+            hidden, residual = self.fused.decode_layers(
+                hidden, self.native_weights, [t for pair in meta.kv_layers for t in pair], positions, self.rotary.cos,
+                self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape)
+            return self.norm(hidden, residual)[0]
         rope = self.rotary(positions, hidden.dtype, self.fused)
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
+
+    def use_native_decode(self, enabled: bool) -> bool:
+        """Run all layers of a small decode step as one C++ call (`engine/csrc/decoder_cpu.cpp`): the same kernels
+        in the same order as the layers below, without about ten Python calls a layer. Possible on CPU in fp32 with
+        the fused ops, when every linear of the layers holds GGUF blocks. -> whether it is on."""
+        linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
+        possible = (self.fused is not None and self.embed_tokens.weight.dtype == torch.float32
+                    and all(m.blocks is not None for m in linears))
+        self.native_weights = [t for layer in self.layers for t in _native_weights(layer)] if enabled and possible else None
+        return self.native_weights is not None
+
+    def decodes_natively(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Decodes only, few enough rows that every linear reads its blocks, and the C++ attention and KV write."""
+        decode = meta.decode
+        return (self.native_weights is not None and not meta.prefills and decode is not None
+                and decode.kernel is not None and meta.write_kv is not None
+                and hidden.shape[0] <= self.layers[0].mlp.down_proj.block_rows
+                and meta.kv_layers[0][0].dtype == hidden.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,10 +181,12 @@ class LlamaForCausalLM(nn.Module):
                 module.block_rows = rows
 
     def use_fused_ops(self, fused) -> None:
-        """Run norms, rotary and SiLU-and-mul as one C++ call each (`engine.cpu_kernels.fused_ops()`); None: torch ops."""
+        """Run norms, rotary and SiLU-and-mul as one C++ call each (`engine.cpu_kernels.fused_ops()`), and small
+        decode steps on GGUF blocks as one call for all layers; None: torch ops."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, LlamaModel)):
                 module.fused = fused
+        self.model.use_native_decode(True)
 
     def block_rows(self) -> dict[str, int]:
         """Up to how many rows the layers and the LM head read GGUF blocks (0: never)."""
@@ -168,6 +197,20 @@ class LlamaForCausalLM(nn.Module):
         linear = sum(m.resident_bytes for m in self.modules() if isinstance(m, Linear))
         other = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if not _is_linear_param(self, n))
         return linear + other
+
+
+def _native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
+    """One layer's weights in the order `decode_layers` reads them; an empty tensor stands for an absent Q4 min
+    (a Q8_0 matrix) or bias."""
+    none = torch.empty(0)
+    attention, mlp = layer.self_attn, layer.mlp
+
+    def linear(m: Linear) -> list[torch.Tensor]:
+        b = m.blocks
+        return [b.codes, b.scales, none if b.mins is None else b.mins, none if m.bias is None else m.bias]
+
+    return [layer.input_layernorm.weight, *linear(attention.qkv_proj), *linear(attention.o_proj),
+            layer.post_attention_layernorm.weight, *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]
 
 
 def _is_linear_param(model: nn.Module, name: str) -> bool:

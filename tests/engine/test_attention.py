@@ -58,11 +58,11 @@ def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatc
     from engine import LLM
 
     def failing_build(**kwargs):
-        raise RuntimeError("Error building extension 'engine_paged_attention_cpu': planted compile error")
+        raise RuntimeError("Error building extension 'engine_cpu_kernels': planted compile error")
 
     monkeypatch.setattr(cpu_kernels, "have_compiler", lambda: True)  # a compiler is there, and the build fails
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", failing_build)
-    cpu_kernels.build_paged_decode.cache_clear()
+    cpu_kernels.build_kernels.cache_clear()
     try:
         with pytest.raises(cpu_kernels.KernelBuildError, match="planted compile error"):
             cpu_kernels.build_paged_decode()
@@ -71,7 +71,7 @@ def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatc
         llm = LLM(dtype="float32", num_kv_blocks=8, attention_backend="auto")
         assert llm.engine.runner.decode_kernel is None
     finally:
-        cpu_kernels.build_paged_decode.cache_clear()
+        cpu_kernels.build_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("block_size,heads,kv_heads", [(8, 4, 4), (32, 8, 1), (16, 6, 2)])

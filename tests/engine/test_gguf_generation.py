@@ -51,6 +51,26 @@ def test_the_served_mix_of_blocks_and_dense_agrees_with_the_dense_fp32_path(llm3
         assert identical >= len(prompts) - 1, f"{name}: {identical} of {len(prompts)} identical to the dense fp32 path"
 
 
+def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, tokenizer, monkeypatch):
+    """`engine/csrc/decoder_cpu.cpp` runs the same kernels in the same order as the Python layers: the same tokens
+    and the same logprobs, bit for bit, at 1 to 4 rows a step (prefill steps stay layer by layer)."""
+    assert llm32.engine.model.model.native_weights is None  # dense weights: never
+    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=256)
+    inner = llm.engine.model.model
+    assert inner.native_weights is not None and llm.engine.model.block_rows()["layers"] >= 4
+    native_steps = []
+    decodes_natively = inner.decodes_natively
+    monkeypatch.setattr(inner, "decodes_natively", lambda *args: native_steps.append(decodes_natively(*args)) or native_steps[-1])
+    prompts = varied_prompts(tokenizer)[:4]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    native = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+    assert sum(native_steps) >= 2 * (params.max_tokens - 1)
+    assert not inner.use_native_decode(False)
+    layered = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+    for i, (a, b) in enumerate(zip(native, layered)):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, f"prompt {i}"
+
+
 def test_weight_bytes_report_the_blocks_and_the_dense_copies():
     llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=64)
     model = llm.engine.model

@@ -1,0 +1,58 @@
+// Every decoder layer of a Llama-family model for a batch of single-token decodes, in one native call: at one or
+// two rows on GGUF blocks, the Python between the kernels (about ten calls, views and attribute reads a layer) cost
+// as much as a third of the step. The kernels and their order are exactly those of engine/models/llama.py, so
+// both paths give the same numbers; only the dispatch moves. fp32 only (the blocks' kernels compute in fp32).
+
+namespace {
+
+// A linear's GGUF blocks and bias, as 4 tensors of the flat weight list; an empty tensor stands for "none"
+// (mins: a Q8_0 matrix; bias: no bias).
+struct BlockLinear {
+  const torch::Tensor &codes, &scales, &mins, &bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    auto y = mins.numel() ? block_matmul<Q4Block>(x, codes, scales, mins) : block_matmul<Q8Block>(x, codes, scales, c10::nullopt);
+    return bias.numel() ? y.add_(bias) : y;
+  }
+};
+
+constexpr int64_t kWeightsPerLayer = 18;  // the order of engine/models/llama.py's `_native_weights`
+
+}  // namespace
+
+// hidden [B, hidden_size] fp32: the token embeddings of B single-token decodes. Runs every layer (RMSNorm with
+// the residual add, q/k/v, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
+// returns (hidden, residual) of the last layer, before the final norm.
+std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
+                                         std::vector<torch::Tensor> kv_caches, torch::Tensor positions,
+                                         torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
+  ReleaseGil no_gil;
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && hidden.dim() == 2, "decode_layers takes [B, hidden] float32");
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
+  TORCH_CHECK(layers * kWeightsPerLayer == static_cast<int64_t>(weights.size()) && kv_caches.size() == 2 * layers);
+  const int64_t batch = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  c10::optional<torch::Tensor> residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const BlockLinear qkv_proj{w[1], w[2], w[3], w[4]}, o_proj{w[5], w[6], w[7], w[8]};
+    const BlockLinear gate_up_proj{w[10], w[11], w[12], w[13]}, down_proj{w[14], w[15], w[16], w[17]};
+    const auto& k_cache = kv_caches[2 * l];
+    const auto& v_cache = kv_caches[2 * l + 1];
+
+    auto normed = add_rms_norm(hidden, residual, w[0], eps);
+    residual = normed[1];
+    auto qkv = qkv_proj(normed[0]);
+    rotary_inplace(qkv, positions, cos, sin, heads + kv_heads, head_dim);
+    auto q = qkv.narrow(1, 0, q_size).view({batch, heads, head_dim});
+    auto k = qkv.narrow(1, q_size, kv_size).view({batch, kv_heads, head_dim});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({batch, kv_heads, head_dim});
+    write_kv(k_cache, v_cache, k, v, slots);
+    auto attention = paged_decode(q, k_cache, v_cache, block_tables, context_lens, scaling);
+    normed = add_rms_norm(o_proj(attention.view({batch, q_size})), residual, w[9], eps);
+    residual = normed[1];
+    hidden = down_proj(silu_and_mul(gate_up_proj(normed[0])));
+  }
+  return {hidden, *residual};
+}
