@@ -1,7 +1,7 @@
 // Every decoder layer of a Llama-family model for a batch of single-token decodes, in one native call: at one or
 // two rows on GGUF blocks, the Python between the kernels (about ten calls, views and attribute reads a layer) cost
 // as much as a third of the step. The kernels and their order are exactly those of engine/models/llama.py, so
-// both paths give the same numbers; only the dispatch moves. fp32 only (the blocks' kernels compute in fp32).
+// both paths give the same numbers; only the dispatch moves.
 
 namespace {
 
@@ -10,9 +10,12 @@ namespace {
 struct BlockLinear {
   const torch::Tensor &codes, &scales, &mins, &bias;
 
+  // As engine/layers/quantized.py's block_matmul: fp32 in and out of the kernel, the bias added in fp32.
   torch::Tensor operator()(const torch::Tensor& x) const {
-    auto y = mins.numel() ? block_matmul<Q4Block>(x, codes, scales, mins) : block_matmul<Q8Block>(x, codes, scales, c10::nullopt);
-    return bias.numel() ? y.add_(bias) : y;
+    const auto x32 = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
+    auto y = mins.numel() ? block_matmul<Q4Block>(x32, codes, scales, mins) : block_matmul<Q8Block>(x32, codes, scales, c10::nullopt);
+    if (bias.numel()) y.add_(bias);
+    return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
   }
 };
 
@@ -20,7 +23,7 @@ constexpr int64_t kWeightsPerLayer = 18;  // the order of engine/models/llama.py
 
 }  // namespace
 
-// hidden [B, hidden_size] fp32: the token embeddings of B single-token decodes. Runs every layer (RMSNorm with
+// hidden [B, hidden_size]: the token embeddings of B single-token decodes. Runs every layer (RMSNorm with
 // the residual add, q/k/v, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
 // returns (hidden, residual) of the last layer, before the final norm.
 std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
@@ -29,7 +32,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
                                          torch::Tensor block_tables, torch::Tensor context_lens, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
   ReleaseGil no_gil;
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && hidden.dim() == 2, "decode_layers takes [B, hidden] float32");
+  TORCH_CHECK(hidden.dim() == 2, "decode_layers takes hidden states [B, hidden]");
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(layers * kWeightsPerLayer == static_cast<int64_t>(weights.size()) && kv_caches.size() == 2 * layers);
   const int64_t batch = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;

@@ -101,11 +101,10 @@ class LlamaModel(nn.Module):
 
     def use_native_decode(self, enabled: bool) -> bool:
         """Run all layers of a small decode step as one C++ call (`engine/csrc/decoder_cpu.cpp`): the same kernels
-        in the same order as the layers below, without about ten Python calls a layer. Possible on CPU in fp32 with
-        the fused ops, when every linear of the layers holds GGUF blocks. -> whether it is on."""
+        in the same order as the layers below, without about ten Python calls a layer. Possible on CPU with the
+        fused ops, when every linear of the layers holds GGUF blocks. -> whether it is on."""
         linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
-        possible = (self.fused is not None and self.embed_tokens.weight.dtype == torch.float32
-                    and all(m.blocks is not None for m in linears))
+        possible = self.fused is not None and all(m.blocks is not None for m in linears)
         self.native_weights = [t for layer in self.layers for t in _native_weights(layer)] if enabled and possible else None
         return self.native_weights is not None
 

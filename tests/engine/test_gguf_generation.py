@@ -51,11 +51,12 @@ def test_the_served_mix_of_blocks_and_dense_agrees_with_the_dense_fp32_path(llm3
         assert identical >= len(prompts) - 1, f"{name}: {identical} of {len(prompts)} identical to the dense fp32 path"
 
 
-def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, tokenizer, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, tokenizer, monkeypatch, dtype):
     """`engine/csrc/decoder_cpu.cpp` runs the same kernels in the same order as the Python layers: the same tokens
     and the same logprobs, bit for bit, at 1 to 4 rows a step (prefill steps stay layer by layer)."""
     assert llm32.engine.model.model.native_weights is None  # dense weights: never
-    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=256)
+    llm = LLM(dtype=dtype, quantization="gguf", num_kv_blocks=256, enable_prefix_caching=False)  # same prefill shapes twice
     inner = llm.engine.model.model
     assert inner.native_weights is not None and llm.engine.model.block_rows()["layers"] >= 4
     native_steps = []
