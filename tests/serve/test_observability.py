@@ -3,7 +3,6 @@ import asyncio
 import json
 import logging
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import yaml
 
 from dashboards.build import panel_queries, render
 from dashboards.report import substitute
-from tests.serve.conftest import free_port, wait_healthy
+from tests.prometheus_server import query, running_prometheus
+from tests.serve.conftest import wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -59,38 +59,9 @@ def test_the_second_app_serves_nf4_with_its_own_engine_settings(obs_app):
 
 @pytest.fixture(scope="module")
 def prometheus(serve_app, tmp_path_factory):
-    config = yaml.safe_load((ROOT / "dashboards/prometheus.yml").read_text())
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(ROOT / "dashboards/alerts.yml")]
-    config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{serve_app['metrics_port']}"]}]
-    workdir = tmp_path_factory.mktemp("prometheus")
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen(["prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while not _ready(url):
-            assert time.monotonic() < deadline and proc.poll() is None, "prometheus did not start"
-            time.sleep(0.2)
+    with running_prometheus([f"127.0.0.1:{serve_app['metrics_port']}"], tmp_path_factory.mktemp("prometheus"),
+                            [str(ROOT / "dashboards/alerts.yml")]) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/-/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def query(prom: str, expr: str) -> list:
-    r = httpx.get(prom + "/api/v1/query", params={"query": expr}, timeout=10)
-    assert r.status_code == 200 and r.json()["status"] == "success", f"{expr}\n{r.text}"
-    return r.json()["data"]["result"]
 
 
 async def mixed_traffic(base: str, auth: dict) -> dict:
