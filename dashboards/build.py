@@ -126,6 +126,15 @@ def per_replica() -> Dashboard:
         panel("Engine steps/s", "short", [Query(rate("ray_engine_steps_total", "replica", labels), "{{replica}}")], 12, 16),
         panel("Tokens per step", "short", quantiles("ray_engine_iteration_tokens", "replica", labels)[:2], 0, 24),
         panel("Preemptions/s", "short", [Query(rate("ray_engine_num_preemptions_total", "replica", labels), "{{replica}}")], 12, 24),
+        panel("Step time by phase", "percentunit", [Query(rate("ray_engine_step_phase_seconds_total", "replica, phase", labels),
+                                                          "{{replica}} {{phase}}")], 0, 32,
+              description="Share of wall time in each phase of the step loop; a phase that grows while the load holds "
+                          "is where a slowdown lives"),
+        panel("Garbage-collector pauses", "percentunit", [Query(rate("ray_engine_gc_pause_seconds_total", "replica, generation", labels),
+                                                                "{{replica}} gen {{generation}}")], 12, 32,
+              description="Share of wall time the process spent collecting garbage"),
+        panel("Resident memory", "bytes", [Query(f"max by (replica) (ray_engine_resident_memory_bytes{{{labels}}})", "{{replica}}")],
+              0, 40, description="A replica's process; growth at a steady load is a leak"),
     ]
     for p in panels:
         d = d.with_panel(p)

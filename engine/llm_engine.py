@@ -27,6 +27,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
 from engine.speculative import COUNTERS as SPEC_COUNTERS
 from engine.speculative import Speculator, accepted_length
+from engine.step_stats import PHASES, GcPauses, PhaseTimer, resident_bytes
 from engine.structured_output import GrammarCompiler, allowed_tokens
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,10 @@ class LLMEngine:
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None
         write_kv = fused.write_kv if fused is not None else None
-        self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv)
+        self.phases = PhaseTimer()
+        self.gc_pauses = GcPauses()
+        self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
+                                  self.phases)
         self.runner.kv_cache = self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -275,10 +279,11 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        outputs = self._drain_inbox()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self._draft_room)
-        batch = self.scheduler.schedule()
+        with self.phases("schedule"):
+            outputs = self._drain_inbox()
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running, self._draft_room)
+            batch = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in batch.out_of_memory]
         if batch:
             run_start = time.perf_counter()
@@ -351,7 +356,14 @@ class LLMEngine:
         for part in step.prompt:
             self._record_prompt_logprobs(part)
         drafts = {seq.request_id: d for seq, d in zip(batch.seqs, batch.draft_token_ids) if d}
-        tokens, logprobs = self._sample(step, drafts)
+        with self.phases("sample"):
+            tokens, logprobs = self._sample(step, drafts)
+        with self.phases("output"):
+            return self._commit(batch, step, drafts, tokens, logprobs)
+
+    def _commit(self, batch: ScheduledBatch, step: StepLogits, drafts: dict[str, list[int]], tokens: list[int],
+                logprobs: list) -> list[RequestOutput]:
+        """Append what was sampled: accepted drafts, stops, text deltas; fail rows without a valid distribution."""
         outputs, emitted = [], []
         row = 0
         for seq, rows in zip(step.seqs, step.rows):
@@ -524,8 +536,9 @@ class LLMEngine:
 
     # -- introspection --------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         bm = self.block_manager
+        gc_pauses = self.gc_pauses
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + len(self._new_seqs),
@@ -538,6 +551,10 @@ class LLMEngine:
             "consecutive_failed_steps": self.consecutive_failed_steps,
             **self.counters,
             **(self.speculator.counters if self.speculator is not None else dict.fromkeys(SPEC_COUNTERS, 0)),
+            **{f"step_seconds_{phase}": self.phases.seconds[phase] for phase in PHASES},
+            **{f"gc_collections_gen{g}": n for g, n in gc_pauses.collections.items()},
+            **{f"gc_pause_seconds_gen{g}": t for g, t in gc_pauses.seconds.items()},
+            "resident_bytes": resident_bytes(),
         }
 
 

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from engine.step_stats import GENERATIONS, PHASES
+
 Kind = Literal["counter", "gauge", "histogram"]
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60)
@@ -52,6 +54,11 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_e2e_request_latency_seconds", "histogram", "Arrival to finish", buckets=E2E_BUCKETS),
     Metric("engine_request_queue_time_seconds", "histogram", "Arrival to first scheduled", buckets=QUEUE_BUCKETS),
     Metric("engine_iteration_tokens", "histogram", "Tokens per engine step", buckets=STEP_TOKEN_BUCKETS),
+    Metric("engine_step_phase_seconds", "counter", "Step time by phase: schedule, prepare, forward, sample, output",
+           ("phase",)),
+    Metric("engine_gc_collections", "counter", "Garbage collections in the engine's process", ("generation",)),
+    Metric("engine_gc_pause_seconds", "counter", "Time the garbage collector paused the process", ("generation",)),
+    Metric("engine_resident_memory_bytes", "gauge", "Resident memory of the engine's process"),
 ]}
 # counter -> the key of LLMEngine.stats() that holds its running total
 COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_tokens": "generation_tokens",
@@ -59,6 +66,12 @@ COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_t
                    "engine_num_preemptions": "num_preemptions", "engine_steps": "num_steps",
                    "engine_spec_decode_num_drafts": "spec_drafts", "engine_spec_decode_num_draft_tokens": "spec_draft_tokens",
                    "engine_spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
+# labelled counter -> (its label, {label value: the key of LLMEngine.stats() that holds its running total})
+LABELLED_COUNTER_SOURCES = {
+    "engine_step_phase_seconds": ("phase", {phase: f"step_seconds_{phase}" for phase in PHASES}),
+    "engine_gc_collections": ("generation", {str(g): f"gc_collections_gen{g}" for g in GENERATIONS}),
+    "engine_gc_pause_seconds": ("generation", {str(g): f"gc_pause_seconds_gen{g}" for g in GENERATIONS}),
+}
 
 
 class MetricsSink(Protocol):
@@ -111,10 +124,10 @@ class StepMetrics:
     e2e: list[float] = field(default_factory=list)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     update_seconds: float = 0.0  # time spent flushing, to show it stays a small share of the step
-    _reported: dict[str, int] = field(default_factory=dict)
+    _reported: dict[str, float] = field(default_factory=dict)  # by stats() key
 
-    def start_from(self, stats: dict[str, int]) -> None:
-        self._reported = {name: stats[key] for name, key in COUNTER_SOURCES.items()}
+    def start_from(self, stats: dict[str, float]) -> None:
+        self._reported = {key: stats[key] for _, key, _ in _counters({})}
 
     def token(self, arrival: float, first_scheduled: float | None, previous_token: float | None, now: float) -> None:
         if previous_token is None:
@@ -127,19 +140,20 @@ class StepMetrics:
         self.e2e.append(now - arrival)
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
 
-    def flush(self, stats: dict[str, int], step_tokens: int) -> None:
+    def flush(self, stats: dict[str, float], step_tokens: int) -> None:
         start = time.perf_counter()
         base = {"model_name": self.model_name}
         sink = self.sink
         sink.set("engine_num_requests_running", stats["num_running"], base)
         sink.set("engine_num_requests_waiting", stats["num_waiting"], base)
         sink.set("engine_kv_cache_usage_ratio", 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"], base)
-        for name, key in COUNTER_SOURCES.items():
+        sink.set("engine_resident_memory_bytes", stats["resident_bytes"], base)
+        for name, key, labels in _counters(base):
             total = stats[key]
-            delta = total - self._reported.get(name, 0)
+            delta = total - self._reported.get(key, 0)
             if delta:
-                sink.inc(name, delta, base)
-                self._reported[name] = total
+                sink.inc(name, delta, labels)
+                self._reported[key] = total
         for reason, count in self.finish_reasons.items():
             sink.inc("engine_request_success", count, {**base, "finish_reason": reason})
         for name, values in (("engine_time_to_first_token_seconds", self.ttft), ("engine_inter_token_latency_seconds", self.itl),
@@ -150,3 +164,10 @@ class StepMetrics:
             sink.observe("engine_iteration_tokens", [step_tokens], base)
         self.ttft, self.itl, self.queue_time, self.e2e, self.finish_reasons = [], [], [], [], {}
         self.update_seconds += time.perf_counter() - start
+
+
+def _counters(base: dict[str, str]) -> list[tuple[str, str, dict[str, str]]]:
+    """(metric name, stats() key, labels) of every counter, a labelled one once per label value."""
+    return [*((name, key, base) for name, key in COUNTER_SOURCES.items()),
+            *((name, key, {**base, label: value}) for name, (label, keys) in LABELLED_COUNTER_SOURCES.items()
+              for value, key in keys.items())]

@@ -9,6 +9,7 @@ from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from engine.models import Model
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.step_stats import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: Model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
-                 decode_kernel=None, write_kv=None):
+                 decode_kernel=None, write_kv=None, phases: PhaseTimer | None = None):
         self.model = model
+        self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
         self.decode_kernel = decode_kernel
         self.write_kv = write_kv
         self.block_size = block_size
@@ -79,6 +81,12 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         """Run one step: the logits of every sequence that samples now (its last real token and its drafts), and of
         the prompt positions computed now for sequences that asked for prompt logprobs."""
+        with self.phases("prepare"):
+            inputs = self._prepare(batch)
+        with self.phases("forward"):
+            return self._forward(*inputs)
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple:
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
         seqs = [batch.seqs[i] for i in order]
         num_new_tokens = [batch.num_new_tokens[i] for i in order]
@@ -98,9 +106,13 @@ class ModelRunner:
                 sampling_seqs.append(seq)
                 rows.append(1 + len(drafts))
         meta = self._metadata(seqs, num_new_tokens, slots)
-        logits = self.model(self._tensor(input_ids), self._tensor(positions), meta,
-                            self._tensor(sample_indices + prompt_indices))
-        sampled, prompt = logits[: len(sample_indices)], logits[len(sample_indices):]
+        model_inputs = (self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_indices + prompt_indices))
+        return model_inputs, len(sample_indices), sampling_seqs, rows, prompt_spans
+
+    def _forward(self, model_inputs: tuple, num_sampled: int, sampling_seqs: list[Sequence], rows: list[int],
+                 prompt_spans: list) -> StepLogits:
+        logits = self.model(*model_inputs)
+        sampled, prompt = logits[:num_sampled], logits[num_sampled:]
         return StepLogits(sampling_seqs, sampled, rows, [PromptLogits(seq, first, prompt[offset : offset + count])
                                                          for seq, first, offset, count in prompt_spans if count])
 

@@ -22,7 +22,20 @@ CONTRACT = {
     "engine_request_queue_time_seconds": "histogram", "engine_iteration_tokens": "histogram",
     "engine_steps_total": "counter", "engine_spec_decode_num_drafts_total": "counter",
     "engine_spec_decode_num_draft_tokens_total": "counter", "engine_spec_decode_num_accepted_tokens_total": "counter",
+    # added 2026-11-24 (issue 15: the step-rate drift), to be written into design.md section 5
+    "engine_step_phase_seconds_total": "counter", "engine_gc_collections_total": "counter",
+    "engine_gc_pause_seconds_total": "counter", "engine_resident_memory_bytes": "gauge",
 }
+PHASES = ("schedule", "prepare", "forward", "sample", "output")
+
+
+def idle_stats(**values) -> dict[str, float]:
+    """A stats() dict of an engine that has done nothing, with `values` set."""
+    keys = ["num_running", "num_waiting", "kv_blocks_free", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
+            "prefix_cache_hits", "num_preemptions", "num_steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens",
+            "resident_bytes", *(f"step_seconds_{p}" for p in PHASES),
+            *(f"gc_{kind}_gen{g}" for kind in ("collections", "pause_seconds") for g in range(3))]
+    return {**dict.fromkeys(keys, 0), "kv_blocks_total": 1, "kv_blocks_free": 1, **values}
 
 
 def sample(sink: PrometheusSink, name: str, **labels) -> float:
@@ -34,6 +47,7 @@ def test_counters_and_histograms_match_the_requests(llm32):
     engine = llm32.engine
     sink = PrometheusSink()
     engine.attach_metrics(StepMetrics(sink, "m"))
+    step_seconds_before = engine.step_seconds
     try:
         lengths = [3, 5, 9]
         llm32.generate(["Once upon a time", "The sky is", "Hello"],
@@ -55,6 +69,10 @@ def test_counters_and_histograms_match_the_requests(llm32):
     assert sample(sink, "engine_steps_total") >= max(lengths)
     assert sample(sink, "engine_num_requests_running") == 0 and sample(sink, "engine_kv_cache_usage_ratio") == 0
     assert engine.metrics is None and StepMetrics(sink, "m").update_seconds == 0
+    phases = {p: sample(sink, "engine_step_phase_seconds_total", phase=p) for p in PHASES}
+    in_steps = engine.step_seconds - step_seconds_before
+    assert all(v > 0 for v in phases.values()) and 0.5 * in_steps < sum(phases.values()) <= in_steps, (phases, in_steps)
+    assert sample(sink, "engine_resident_memory_bytes") > 100e6  # the model's weights at least
 
 
 def test_every_contract_metric_is_exported_with_model_name():
@@ -63,9 +81,10 @@ def test_every_contract_metric_is_exported_with_model_name():
     metrics.token(0.0, 0.1, None, 0.2)
     metrics.token(0.0, 0.1, 0.2, 0.3)
     metrics.finished(0.0, 0.3, "stop")
-    stats = {"num_running": 1, "num_waiting": 2, "kv_blocks_free": 3, "kv_blocks_total": 4, "prompt_tokens": 5,
-             "generation_tokens": 2, "prefix_cache_queries": 5, "prefix_cache_hits": 1, "num_preemptions": 1, "num_steps": 2,
-                 "spec_drafts": 1, "spec_draft_tokens": 4, "spec_accepted_tokens": 3}
+    stats = idle_stats(num_running=1, num_waiting=2, kv_blocks_free=3, kv_blocks_total=4, prompt_tokens=5,
+                       generation_tokens=2, prefix_cache_queries=5, prefix_cache_hits=1, num_preemptions=1, num_steps=2,
+                       spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=3, resident_bytes=2**20,
+                       gc_collections_gen0=1, gc_pause_seconds_gen0=0.001, **{f"step_seconds_{p}": 0.5 for p in PHASES})
     metrics.flush(stats, step_tokens=6)
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(sink.registry).decode())}
     for name, kind in CONTRACT.items():  # prometheus_client names counter families without their _total
@@ -81,10 +100,7 @@ def test_standalone_sink_serves_on_loopback():
     from tests.serve.conftest import free_port
 
     sink = PrometheusSink()
-    StepMetrics(sink, "m").flush({"num_running": 0, "num_waiting": 0, "kv_blocks_free": 1, "kv_blocks_total": 1,
-                                  "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
-                                  "prefix_cache_hits": 0, "num_preemptions": 0, "num_steps": 1,
-                                  "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}, 0)
+    StepMetrics(sink, "m").flush(idle_stats(num_steps=1), 0)
     port = free_port()
     sink.serve(port)
     body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text

@@ -1,0 +1,69 @@
+"""What the step loop costs, for `LLMEngine.stats()` and the metrics: seconds by phase of the step, garbage-collector
+pauses, and the process's resident memory. A slow drift in any of them shows on the per-replica dashboard."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+import weakref
+
+PHASES = ("schedule", "prepare", "forward", "sample", "output")
+GENERATIONS = (0, 1, 2)
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class PhaseTimer:
+    """Seconds spent in each phase of the step, summed since the engine started."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+
+class GcPauses:
+    """Collections and their summed pause by generation, from `gc.callbacks`, since this object was made. The
+    callback holds only a weak reference; those whose owner is gone are dropped when the next one is made."""
+
+    def __init__(self):
+        self.collections = dict.fromkeys(GENERATIONS, 0)
+        self.seconds = dict.fromkeys(GENERATIONS, 0.0)
+        self._started: float | None = None
+        owner = weakref.ref(self)
+
+        def callback(phase: str, info: dict) -> None:
+            pauses = owner()
+            if pauses is not None:
+                pauses.record(phase, info["generation"])
+
+        callback.gc_pauses_owner = owner
+        gc.callbacks[:] = [cb for cb in gc.callbacks if getattr(cb, "gc_pauses_owner", _alive)() is not None] + [callback]
+
+    def record(self, phase: str, generation: int) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        elif self._started is not None:
+            self.collections[generation] += 1
+            self.seconds[generation] += now - self._started
+            self._started = None
+
+
+def _alive() -> bool:
+    return True
+
+
+def resident_bytes() -> int:
+    """This process's resident set (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0
