@@ -70,7 +70,7 @@ prometheus:
 loadtest: model
 	$(PY) -m loadtest.run $(ARGS)
 
-# the app at a steady open-loop rate for 30 minutes (ARGS="--rate 1.4 --duration 1800"), per-minute report and plot;
+# the app at a steady open-loop rate for 30 minutes (ARGS="--rate 0.5 --duration 1800"), per-minute report and plot;
 # the server-side half comes from the Prometheus that `make observe` starts
 soak: model observe
 	$(PY) benchmarks/soak.py $(ARGS)

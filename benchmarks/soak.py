@@ -3,7 +3,7 @@ req/h, p95 end-to-end latency and failures from Locust's records; step rate, tok
 pauses and resident memory from the replica's metrics in Prometheus (`make observe`). PASS when the last 5 minutes
 keep the step rate and req/h within 5% of minutes 2-7, resident memory grows under 10%, and nothing failed.
 
-python benchmarks/soak.py --rate 1.4 --duration 1800      # about 80% of this app's knee on a 2-core CPU
+python benchmarks/soak.py --rate 0.5 --duration 1800      # set --rate to about 80% of the knee on your machine
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 @cli.command()
-def main(rate: float = typer.Option(1.4, help="open-loop arrivals per second (about 80% of the knee)"),
+def main(rate: float = typer.Option(0.5, help="open-loop arrivals per second: about 80% of `make loadtest --sweep`'s knee"),
          duration: float = typer.Option(1800, help="seconds; at least 12 minutes for a verdict"),
          url: str = typer.Option("", help="server to load; empty: start the embedded app here (as make serve)"),
          prometheus: str = typer.Option("http://127.0.0.1:9090", help="scraping the app's metrics (make observe)"),
