@@ -151,18 +151,18 @@ class Ingress:
     async def _sse(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
                    prompt_tokens: int, include_usage: bool):
         model, tokens, cached_tokens = self.args.model_name, [0] * len(choices), 0
+        deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
         try:
-            async with asyncio.timeout(self.args.request_timeout_s):
-                async for delta in _with_keep_alive(stream, self.args.sse_keepalive_s):
-                    if delta is None:
-                        yield KEEP_ALIVE
-                        continue
-                    if delta.error:
-                        raise GenerationError(delta.error)
-                    tokens[delta.index], cached_tokens = delta.completion_tokens, delta.cached_tokens
-                    for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs,
-                                                              delta.prompt_logprobs):
-                        yield sse(chunk_body(request_id, model, [choice], chat, created))
+            async for delta in _with_keep_alive(stream, self.args.sse_keepalive_s, deadline):
+                if delta is None:
+                    yield KEEP_ALIVE
+                    continue
+                if delta.error:
+                    raise GenerationError(delta.error)
+                tokens[delta.index], cached_tokens = delta.completion_tokens, delta.cached_tokens
+                for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs,
+                                                          delta.prompt_logprobs):
+                    yield sse(chunk_body(request_id, model, [choice], chat, created))
             if include_usage:
                 final = chunk_body(request_id, model, [], chat, created)
                 final["usage"] = usage(prompt_tokens, sum(tokens), cached_tokens)
@@ -205,15 +205,24 @@ def _stream_error(exc: Exception, request_id: str) -> dict:
     return envelope(503, f"the engine replica serving request {request_id} failed; retry the request")
 
 
-async def _with_keep_alive(stream, interval_s: float):
-    """The stream's items, with None whenever `interval_s` passes without one (a queued request, a long prefill)."""
+async def _with_keep_alive(stream, interval_s: float, deadline: float):
+    """The stream's items, with None whenever `interval_s` passes without one (a queued request, a long prefill);
+    TimeoutError once the loop's clock passes `deadline`. The deadline is checked only while waiting here: an
+    `asyncio.timeout` around a generator's `yield` can fire while the consumer is sending, which cancels the
+    response itself (a stream cut without its error chunk or [DONE], seen once in a full test run)."""
+    loop = asyncio.get_running_loop()
     iterator = stream.__aiter__()
     pending = None
     try:
         while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError
             pending = pending or asyncio.ensure_future(iterator.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            done, _ = await asyncio.wait({pending}, timeout=min(interval_s, remaining))
             if not done:
+                if loop.time() >= deadline:
+                    raise TimeoutError
                 yield None
                 continue
             pending, task = None, pending
