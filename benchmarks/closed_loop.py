@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from engine.step_stats import GENERATIONS, PHASES
+from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
 from loadtest.prompts import load_prompts
 
 cli = typer.Typer(add_completion=False)
@@ -57,10 +57,10 @@ def main(threads: int = 1, concurrency: int = 48, seconds: float = 40, temperatu
     print(f"threads {threads}, temperature {temperature}: {stats['generation_tokens'] / elapsed:.0f} generated tok/s, "
           f"{steps / elapsed:.2f} steps/s, {done / elapsed * 3600:,.0f} req/h, "
           f"{(stats['prompt_tokens'] + stats['generation_tokens']) / steps:.0f} tokens/step")
-    phases = {phase: stats[f"step_seconds_{phase}"] for phase in PHASES}
-    gc_seconds = sum(stats[f"gc_pause_seconds_gen{g}"] for g in GENERATIONS)
+    phases = {phase: stats[PHASE_KEY.format(phase)] for phase in PHASES}
+    gc_seconds = sum(stats[GC_PAUSE_KEY.format(g)] for g in GENERATIONS)
     print("step time by phase: " + ", ".join(f"{phase} {seconds / elapsed:.1%}" for phase, seconds in phases.items())
-          + f"; GC pauses {gc_seconds / elapsed:.2%} ({stats['gc_collections_gen2']} full collections); "
+          + f"; GC pauses {gc_seconds / elapsed:.2%} ({stats[GC_COLLECTIONS_KEY.format(2)]} full collections); "
           f"resident {stats['resident_bytes'] / 2**20:,.0f} MiB")
 
 

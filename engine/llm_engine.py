@@ -27,7 +27,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
 from engine.speculative import COUNTERS as SPEC_COUNTERS
 from engine.speculative import Speculator, accepted_length
-from engine.step_stats import PHASES, GcPauses, PhaseTimer, resident_bytes
+from engine.step_stats import GcPauses, PhaseTimer, stats_of
 from engine.structured_output import GrammarCompiler, allowed_tokens
 
 log = logging.getLogger(__name__)
@@ -538,7 +538,6 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
-        gc_pauses = self.gc_pauses
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + len(self._new_seqs),
@@ -551,10 +550,7 @@ class LLMEngine:
             "consecutive_failed_steps": self.consecutive_failed_steps,
             **self.counters,
             **(self.speculator.counters if self.speculator is not None else dict.fromkeys(SPEC_COUNTERS, 0)),
-            **{f"step_seconds_{phase}": self.phases.seconds[phase] for phase in PHASES},
-            **{f"gc_collections_gen{g}": n for g, n in gc_pauses.collections.items()},
-            **{f"gc_pause_seconds_gen{g}": t for g, t in gc_pauses.seconds.items()},
-            "resident_bytes": resident_bytes(),
+            **stats_of(self.phases, self.gc_pauses),
         }
 
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from engine.step_stats import GENERATIONS, PHASES
+from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -68,9 +68,9 @@ COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_t
                    "engine_spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
 # labelled counter -> (its label, {label value: the key of LLMEngine.stats() that holds its running total})
 LABELLED_COUNTER_SOURCES = {
-    "engine_step_phase_seconds": ("phase", {phase: f"step_seconds_{phase}" for phase in PHASES}),
-    "engine_gc_collections": ("generation", {str(g): f"gc_collections_gen{g}" for g in GENERATIONS}),
-    "engine_gc_pause_seconds": ("generation", {str(g): f"gc_pause_seconds_gen{g}" for g in GENERATIONS}),
+    "engine_step_phase_seconds": ("phase", {phase: PHASE_KEY.format(phase) for phase in PHASES}),
+    "engine_gc_collections": ("generation", {str(g): GC_COLLECTIONS_KEY.format(g) for g in GENERATIONS}),
+    "engine_gc_pause_seconds": ("generation", {str(g): GC_PAUSE_KEY.format(g) for g in GENERATIONS}),
 }
 
 
@@ -125,9 +125,13 @@ class StepMetrics:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     update_seconds: float = 0.0  # time spent flushing, to show it stays a small share of the step
     _reported: dict[str, float] = field(default_factory=dict)  # by stats() key
+    _counters: list[tuple[str, str, dict[str, str]]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._counters = _counters({"model_name": self.model_name})  # built once, not in every step's flush
 
     def start_from(self, stats: dict[str, float]) -> None:
-        self._reported = {key: stats[key] for _, key, _ in _counters({})}
+        self._reported = {key: stats[key] for _, key, _ in self._counters}
 
     def token(self, arrival: float, first_scheduled: float | None, previous_token: float | None, now: float) -> None:
         if previous_token is None:
@@ -148,7 +152,7 @@ class StepMetrics:
         sink.set("engine_num_requests_waiting", stats["num_waiting"], base)
         sink.set("engine_kv_cache_usage_ratio", 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"], base)
         sink.set("engine_resident_memory_bytes", stats["resident_bytes"], base)
-        for name, key, labels in _counters(base):
+        for name, key, labels in self._counters:
             total = stats[key]
             delta = total - self._reported.get(key, 0)
             if delta:

@@ -10,6 +10,8 @@ import weakref
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 GENERATIONS = (0, 1, 2)
+# the keys of LLMEngine.stats() that `stats_of` fills, by phase or generation
+PHASE_KEY, GC_COLLECTIONS_KEY, GC_PAUSE_KEY = "step_seconds_{}", "gc_collections_gen{}", "gc_pause_seconds_gen{}"
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -54,6 +56,14 @@ class GcPauses:
             self.collections[generation] += 1
             self.seconds[generation] += now - self._started
             self._started = None
+
+
+def stats_of(phases: PhaseTimer, gc_pauses: GcPauses) -> dict[str, float]:
+    """Their running totals and the resident memory, as `LLMEngine.stats()` entries."""
+    return {**{PHASE_KEY.format(p): t for p, t in phases.seconds.items()},
+            **{GC_COLLECTIONS_KEY.format(g): n for g, n in gc_pauses.collections.items()},
+            **{GC_PAUSE_KEY.format(g): t for g, t in gc_pauses.seconds.items()},
+            "resident_bytes": resident_bytes()}
 
 
 def _alive() -> bool:
