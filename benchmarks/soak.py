@@ -26,6 +26,7 @@ from loadtest.run import embedded_app, load_records, run_locust
 cli = typer.Typer(add_completion=False)
 console = Console(width=160)
 MINUTE = 60.0
+LOCUST_REPORTS = Path("loadtest/reports")
 SERVER = {
     "steps/s": "sum(rate(ray_engine_steps_total[1m]))",
     "tokens/step": "sum(rate(ray_engine_iteration_tokens_sum[1m])) / sum(rate(ray_engine_iteration_tokens_count[1m]))",
@@ -107,21 +108,24 @@ def main(rate: float = typer.Option(0.5, help="open-loop arrivals per second: ab
          max_tokens: int = 128, api_key: str = typer.Option("", envvar="LLM_SERVE_API_KEY"),
          out_dir: Path = Path("benchmarks/results")):
     httpx.get(f"{prometheus}/-/ready", timeout=5).raise_for_status()  # no server-side half of the report without it
-    out = out_dir / f"soak-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
-    out.mkdir(parents=True, exist_ok=True)
+    stamp = f"soak-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
+    locust_dir = LOCUST_REPORTS / stamp  # Locust's raw CSVs, HTML and records, kept out of git as make loadtest's are
+    locust_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         url = url or stack.enter_context(embedded_app())
-        records_path, started = run_locust(url, out, "soak", 0, rate, "poisson", duration, max_tokens=max_tokens,
+        records_path, started = run_locust(url, locust_dir, "soak", 0, rate, "poisson", duration, max_tokens=max_tokens,
                                            stream_share=0.75, api_key=api_key, model="")
     minutes = int(duration // MINUTE)
     rows = [{"minute": m + 1, **c, **s} for m, (c, s) in enumerate(zip(client_minutes(load_records(records_path), started, minutes),
                                                                           server_minutes(prometheus, started, minutes)))]
     result = verdict(rows) if minutes >= 12 else {"pass": None}
-    report(rows, result, out, f"soak at {rate:g} req/s for {duration / 60:.0f} min")
+    report(rows, result, out_dir / stamp, f"soak at {rate:g} req/s for {duration / 60:.0f} min")
     raise typer.Exit(0 if result["pass"] in (True, None) else 1)
 
 
 def report(rows: list[dict], result: dict, out: Path, title: str) -> None:
+    """The table on the console; `out`.json and `out`.png."""
     table = Table(title=title)
     for key in rows[0]:
         table.add_column(key, justify="right")
@@ -129,9 +133,9 @@ def report(rows: list[dict], result: dict, out: Path, title: str) -> None:
         table.add_row(*(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in r.values()))
     console.print(table)
     console.print(result)
-    (out / "soak.json").write_text(json.dumps({"rows": rows, "verdict": result}, indent=2))
-    plot(rows, out / "soak.png", title)
-    console.print(f"wrote {out}/soak.json and soak.png")
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "verdict": result}, indent=2))
+    plot(rows, out.with_suffix(".png"), title)
+    console.print(f"wrote {out}.json and .png")
 
 
 if __name__ == "__main__":
