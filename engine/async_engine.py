@@ -1,22 +1,22 @@
-"""AsyncLLMEngine: the step loop runs in a background thread; each request gets an async stream of deltas."""
+"""AsyncLLMEngine: the front end of the engine. Requests are validated and tokenized here, on the caller's
+thread; the core (scheduler, model, sampler) runs on a background thread or, with `engine_process`, in a child
+process of its own; each request gets an async stream of deltas."""
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 import uuid
 from collections import defaultdict
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.llm_engine import LLMEngine, Prompt
+from engine.input_processor import Prompt
+from engine.metrics import StepMetrics
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
-IDLE_WAIT_S = 0.5
 
 
 class RequestStream:
@@ -69,52 +69,57 @@ class RequestStream:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any):
-        self.engine = LLMEngine(config, **overrides)
+        config = config or EngineConfig()
+        self.config = config = config.model_copy(update=overrides) if overrides else config
         self._streams: dict[str, RequestStream] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
-        self.loop_threads = 0  # torch threads as seen from the step loop's own thread
+        if config.engine_process:
+            from engine.core_client import ProcessCore
+
+            self.core = ProcessCore(config, self._dispatch, self._die)
+        else:
+            from engine.core_thread import ThreadCore
+
+            self.core = ThreadCore(config, self._dispatch, self._die)
+        self.inputs = self.core.inputs  # tokenizing, validation, grammars: the front end's, on callers' threads
+        self.max_model_len = self.core.limits.max_model_len
+        self.settings = self.core.settings  # what the running engine actually uses
+
+    def warm_up(self) -> None:
+        """One short generation before serving (the core process does its own before it reports ready)."""
+        self.core.warm_up()
+
+    def attach_metrics(self, metrics: StepMetrics) -> None:
+        """Report step metrics from now on. Call before the first request."""
+        self.core.attach_metrics(metrics)
+
+    def start(self) -> "AsyncLLMEngine":
+        self.core.start()
+        return self
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+        return self.health_problem() is None
 
     def health_problem(self) -> str | None:
-        """Why this engine should be replaced, or None: a dead loop, K steps in a row in which no request could
-        run, or one step running past its deadline (a hung kernel or device)."""
-        if not self.is_running:
-            return self.dead_reason or "the engine loop is not running"
-        engine, config = self.engine, self.engine.config
-        started = engine.step_started_at
-        if started is not None and time.monotonic() - started > config.step_timeout_s:
-            return f"an engine step has run for {time.monotonic() - started:.0f} s (limit {config.step_timeout_s:g} s)"
-        if engine.consecutive_failed_steps >= config.max_consecutive_failed_steps:
-            return f"{engine.consecutive_failed_steps} engine steps in a row failed"
-        return None
-
-    def start(self) -> "AsyncLLMEngine":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
-            self._thread.start()
-        return self
+        """Why this engine should be replaced, or None."""
+        return self.dead_reason or self.core.health_problem()
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, prompt_leader: str | None = None) -> RequestStream:
         """Validate, tokenize and enqueue now (raises EngineInputError); outputs arrive through the stream."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, prompt_leader=prompt_leader)
         self.start()
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, prompt_leader=prompt_leader)
+            self.core.add(request)
         except BaseException:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             raise
-        self._wake.set()
         return stream
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -127,34 +132,24 @@ class AsyncLLMEngine:
             await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self._wake.set()
+        self.abort_now(request_id)
 
-    def stats(self) -> dict[str, int]:
-        return {**self.engine.stats(), "loop_threads": self.loop_threads}
+    def abort_now(self, request_id: str) -> None:
+        """Stop a request; its blocks free on the core's next step."""
+        if self.dead_reason is None:
+            self.core.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.core.shutdown(timeout)
         self._fail_all(EngineDeadError("the engine was shut down"))
 
-    # -- the loop thread -----------------------------------------------------------------------------
-
-    def _run_loop(self) -> None:
-        try:
-            self.loop_threads = self.engine.claim_threads()
-            while not self._stop.is_set():
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
-                    continue
-                self._dispatch(self.engine.step())
-        except BaseException as exc:  # step() contains per-request failures; reaching here means the engine is broken
-            log.exception("engine loop died")
-            self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
-            self._fail_all(EngineDeadError(self.dead_reason))
+    # -- called from the core's thread ---------------------------------------------------------------
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
@@ -164,6 +159,10 @@ class AsyncLLMEngine:
                 by_loop[stream._loop].append((stream, output))
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver, items)
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        self._fail_all(EngineDeadError(reason))
 
     def _fail_all(self, error: Exception) -> None:
         streams, self._streams = list(self._streams.values()), {}

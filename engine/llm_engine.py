@@ -6,18 +6,19 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from engine import chat
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core_messages import EngineRequest, ModelLimits
 from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
 from engine.host_memory import keep_freed_memory
+from engine.input_processor import Messages, Prompt, InputProcessor
 from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, PromptLogits, StepLogits, kv_bytes_per_block
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
@@ -28,14 +29,11 @@ from engine.sequence import RequestOutput, Sequence
 from engine.speculative import COUNTERS as SPEC_COUNTERS
 from engine.speculative import Speculator, accepted_length
 from engine.step_stats import GcPauses, PhaseTimer, stats_of
-from engine.structured_output import GrammarCompiler, allowed_tokens
+from engine.structured_output import allowed_tokens
 
 log = logging.getLogger(__name__)
 
-Messages = chat.Messages
-Prompt = Union[str, list[int], Messages]
 CPU_DEFAULT_KV_BYTES = 2 << 30
-MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass
@@ -71,9 +69,6 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-        # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
-        self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None
         write_kv = fused.write_kv if fused is not None else None
@@ -84,6 +79,10 @@ class LLMEngine:
         self.runner.kv_cache = self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
+                                  sorted(self.eos_token_ids))
+        self.inputs = InputProcessor(config, self.tokenizer, self.limits)
+        self.grammars = self.inputs.grammars  # one compile cache: the front end validates, the core copies matchers
         self.sampler = Sampler()
         self.sequences: dict[str, Sequence] = {}
         self._inbox_lock = threading.Lock()
@@ -151,46 +150,7 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a text, token ids or chat messages (with `tools` offered to the model: chat only)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise EngineInputError("prompt is empty", "prompt")
-            self._check_length(len(prompt), "prompt")
-            self._check_unicode(prompt, "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._tokenize_chat(prompt, tools)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise EngineInputError("prompt is empty", "prompt")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise EngineInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-            return list(prompt)
-        raise EngineInputError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
-
-    def _tokenize_chat(self, messages: Messages, tools: list[dict] | None) -> list[int]:
-        messages = chat.normalize(messages)
-        self._check_length(sum(len(m["content"]) for m in messages), "messages")
-        for i, message in enumerate(messages):
-            self._check_unicode(message["content"], f"messages[{i}].content")
-        text = chat.render(self.tokenizer, messages, tools)
-        self._check_length(len(text), "messages")
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _check_length(self, num_chars: int, param: str) -> None:
-        """Before tokenizing: a text that cannot fit is refused without the cost of encoding it."""
-        if num_chars > self.max_prompt_chars:
-            raise EngineInputError(f"the prompt has {num_chars} characters; no more than {self.max_prompt_chars} "
-                                   f"can fit the model's context of {self.max_model_len} tokens", param)
-
-    @staticmethod
-    def _check_unicode(text: str, param: str) -> None:
-        """A lone surrogate is valid JSON but no tokenizer or encoder takes it: refused, naming the field."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise EngineInputError(f"{param} is not valid Unicode (a lone surrogate at character {exc.start})", param)
+        return self.inputs.tokenize(prompt, tools)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
@@ -199,65 +159,35 @@ class LLMEngine:
         `cache_salt` share prefix-cache blocks only with requests carrying the same salt. A request naming a
         `prompt_leader` (an earlier request with the same prompt, as the choices of n > 1 are) waits for it to
         compute the prompt and then shares its blocks."""
-        params = params or SamplingParams()
-        self._check_cache_salt(cache_salt)
-        self._check_token_ids(params)
-        token_ids = self.tokenize(prompt, tools)
-        max_tokens = self._validated_max_tokens(len(token_ids), params)
+        return self.add_engine_request(
+            self.inputs.process(request_id, prompt, params, arrival_time, cache_salt, tools, prompt_leader))
+
+    def add_engine_request(self, request: EngineRequest) -> Sequence:
+        """Enqueue a request the front end validated. Thread-safe; EngineInputError for an id already in flight,
+        EngineOverloadedError past max_waiting."""
+        params, token_ids = request.params, request.prompt_token_ids
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
-        seq = Sequence(request_id, token_ids, params, arrival_time, cache_salt)
+        seq = Sequence(request.request_id, token_ids, params, request.arrival_time, request.cache_salt)
         seq.runtime = OutputState(
             detokenizer=IncrementalDetokenizer(self.detokenizer_tokenizer, token_ids, params.skip_special_tokens),
             generator=make_generator(params, self.device),
-            max_tokens=max_tokens,
+            max_tokens=request.max_tokens,
             logprobs=[] if params.logprobs is not None else None,
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
             grammar=grammar,
             prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
         )
         with self._inbox_lock:
-            if request_id in self.sequences:
-                raise EngineInputError(f"request id {request_id!r} is already in flight", "request_id")
-            seq.prompt_leader = self.sequences.get(prompt_leader) if prompt_leader is not None else None
+            if request.request_id in self.sequences:
+                raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
+            leader = request.prompt_leader
+            seq.prompt_leader = self.sequences.get(leader) if leader is not None else None
             limit = self.config.max_waiting
             if limit is not None and len(self._new_seqs) + len(self.scheduler.waiting) >= limit:
                 raise EngineOverloadedError(f"the engine queue is full ({limit} waiting requests)")
-            self.sequences[request_id] = seq
+            self.sequences[request.request_id] = seq
             self._new_seqs.append(seq)
         return seq
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in ids if t >= self.vocab_size]
-            if outside:
-                raise EngineInputError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})", name)
-
-    def _check_cache_salt(self, salt: str | None) -> None:
-        if salt is None:
-            return
-        if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-            raise EngineInputError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
-        self._check_unicode(salt, "cache_salt")
-
-    def _validated_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The one max_tokens policy: a default of the rest of the context (or default_max_tokens), and a limit
-        that caps the default and refuses a larger explicit value."""
-        context, limit = self.max_model_len, self.config.max_tokens_limit
-        if num_prompt_tokens >= context:
-            raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the model's context is {context}", "prompt")
-        capacity = self.runner.num_blocks * self.config.block_size
-        if num_prompt_tokens >= capacity:
-            raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}", "prompt")
-        remaining = context - num_prompt_tokens
-        if params.max_tokens is None:
-            return min(self.config.default_max_tokens or remaining, limit or remaining, remaining)
-        if limit is not None and params.max_tokens > limit:
-            raise EngineInputError(f"max_tokens is {params.max_tokens}; this server allows at most {limit}", "max_tokens")
-        if num_prompt_tokens + params.max_tokens > context:
-            raise EngineInputError(
-                f"prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
-                f"together they exceed the model's context of {context}", "max_tokens")
-        return params.max_tokens
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the start of the next step. Thread-safe."""
@@ -535,6 +465,26 @@ class LLMEngine:
         return self.metrics.update_seconds / self.step_seconds
 
     # -- introspection --------------------------------------------------------------------------------
+
+    def settings(self) -> dict[str, str | int | bool]:
+        """What the running engine actually uses, read from its live parts rather than its config: a knob that was
+        set but never applied shows here."""
+        linear = next(m for m in self.model.modules() if type(m).__name__ in ("Linear", "Linear4bit", "Linear8bitLt"))
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "model_impl": self.model.impl,
+            "linear_type": type(linear).__name__,
+            "packed_weights": getattr(linear, "packed", None) is not None,
+            "block_weights": getattr(linear, "blocks", None) is not None,  # GGUF blocks for small batches
+            "num_kv_blocks": self.runner.num_blocks,
+            "block_size": self.block_manager.block_size,
+            "enable_prefix_caching": self.block_manager.enable_prefix_caching,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "decode_kernel": self.runner.decode_kernel is not None,
+            "device": self.device.type,
+        }
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager

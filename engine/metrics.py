@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from engine.core_messages import MetricUpdate
 from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -110,6 +111,32 @@ class PrometheusSink:
         from prometheus_client import start_http_server
 
         start_http_server(port, addr, registry=self.registry)
+
+
+class RecordingSink:
+    """Keeps the calls instead of making them: an engine core process sends them to the front end, whose sink
+    (Ray's metrics) lives there."""
+
+    def __init__(self):
+        self.updates: list[MetricUpdate] = []
+
+    def inc(self, name: str, value: float, labels: dict[str, str]) -> None:
+        self.updates.append(MetricUpdate("inc", name, value, labels))
+
+    def set(self, name: str, value: float, labels: dict[str, str]) -> None:
+        self.updates.append(MetricUpdate("set", name, value, labels))
+
+    def observe(self, name: str, values: list[float], labels: dict[str, str]) -> None:
+        self.updates.append(MetricUpdate("observe", name, list(values), labels))
+
+    def take(self) -> list[MetricUpdate]:
+        updates, self.updates = self.updates, []
+        return updates
+
+
+def replay(updates: list[MetricUpdate], sink: MetricsSink) -> None:
+    for update in updates:
+        getattr(sink, update.kind)(update.name, update.value, update.labels)
 
 
 @dataclass

@@ -8,8 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
 
-# What serving needs that the offline engine does not: a bounded queue (429 past it) and a cap on max_tokens.
-SERVING_ENGINE_DEFAULTS = {"max_waiting": 256, "max_tokens_limit": 4096}
+# What serving needs that the offline engine does not: a bounded queue (429 past it), a cap on max_tokens, and the
+# core in a process of its own, so the replica's HTTP and Ray messaging never share an interpreter lock with it.
+SERVING_ENGINE_DEFAULTS = {"max_waiting": 256, "max_tokens_limit": 4096, "engine_process": True}
 
 
 class AppArgs(BaseModel):

@@ -146,7 +146,7 @@ class Ingress:
     def _raise_if_refused(self, admitted: Admitted | Refused) -> None:
         if isinstance(admitted, Refused):
             raise OpenAIError(admitted.status, admitted.message, admitted.param, admitted.code,
-                              self.args.retry_after_s if admitted.status == 429 else None)
+                              self.args.retry_after_s if admitted.status in (429, 503) else None)
 
     async def _sse(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
                    prompt_tokens: int, include_usage: bool):

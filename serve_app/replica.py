@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, EngineInputError, EngineOverloadedError, RequestOutput, SamplingParams
+from engine import AsyncLLMEngine, EngineDeadError, EngineInputError, EngineOverloadedError, RequestOutput, SamplingParams
 from engine.async_engine import RequestStream
 from engine.detokenizer import TokenTexts
 from engine.models import load_tokenizer
@@ -36,21 +36,14 @@ class EngineReplica:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.engine = AsyncLLMEngine(args.engine)
         self._token_texts = TokenTexts(load_tokenizer(args.engine))  # logprobs' token texts and echo, on the event loop
-        self._warm_up()
-        self.engine.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
+        self.engine.warm_up()  # first-call costs stay out of user latency
+        self.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.engine.start()
-        self.model_info = {"max_model_len": self.engine.engine.max_model_len, "model": args.model_name,
-                           "engine": effective_engine_settings(self.engine.engine)}
+        self.model_info = {"max_model_len": self.engine.max_model_len, "model": args.model_name,
+                           "engine": self.engine.settings}
         self.placement = {"replica_id": serve.get_replica_context().replica_id.unique_id,
                           "node_id": ray.get_runtime_context().get_node_id(),
                           "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-
-    def _warm_up(self) -> None:
-        """One short generation before the replica reports ready: first-call costs stay out of user latency."""
-        llm = self.engine.engine
-        llm.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
-        while llm.has_unfinished_requests():
-            llm.step()
 
     @serve.batch(max_batch_size=ADMISSION_BATCH_SIZE, batch_wait_timeout_s=ADMISSION_WAIT_S)
     async def _admit(self, jobs: list[GenerationJob]) -> list[tuple[list[RequestStream], list[int]] | Refused]:
@@ -64,8 +57,8 @@ class EngineReplica:
         """Tokens of the prompt, and the grammar compiled into the engine's cache: both slow, both off the loop."""
         try:
             if job.params.structured_output is not None:
-                self.engine.engine.grammars.prepare(job.params.structured_output)
-            return self.engine.engine.tokenize(job.prompt, job.tools)
+                self.engine.inputs.grammars.prepare(job.params.structured_output)
+            return self.engine.inputs.tokenize(job.prompt, job.tools)
         except Exception as exc:
             return _refusal(exc, job)
 
@@ -85,7 +78,7 @@ class EngineReplica:
             return streams, token_ids
         except Exception as exc:
             for stream in streams:
-                self.engine.engine.abort(stream.request_id)
+                self.engine.abort_now(stream.request_id)
             return _refusal(exc, job)
 
     async def generate(self, job: GenerationJob):
@@ -135,8 +128,7 @@ class EngineReplica:
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.placement, "time": time.time(),
-                "health_problem": self.engine.health_problem(),
-                "metrics_share_of_step": self.engine.engine.metrics_share_of_step}
+                "health_problem": self.engine.health_problem()}
 
     def info(self) -> dict:
         return self.model_info
@@ -159,6 +151,8 @@ def _refusal(exc: Exception, job: GenerationJob) -> Refused:
         return Refused(400, str(exc), exc.param)
     if isinstance(exc, EngineOverloadedError):
         return Refused(429, str(exc), code="overloaded")
+    if isinstance(exc, EngineDeadError):  # Serve replaces this replica on its next health check
+        return Refused(503, "the engine replica is restarting; retry the request")
     log.error("admission failed for %s", job.request_id, exc_info=exc)  # never crash the replica on one request
     return Refused(500, f"admission failed: {type(exc).__name__}")
 
@@ -199,24 +193,3 @@ async def _each_choice(streams: list[RequestStream]):
     finally:
         for task in tasks:
             task.cancel()
-
-
-def effective_engine_settings(engine) -> dict:
-    """What the running engine actually uses, read from its live parts rather than its config: a knob that was
-    set but never applied shows here."""
-    linear = next(m for m in engine.model.modules() if type(m).__name__ in ("Linear", "Linear4bit", "Linear8bitLt"))
-    return {
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "model_impl": engine.model.impl,
-        "linear_type": type(linear).__name__,
-        "packed_weights": getattr(linear, "packed", None) is not None,
-        "block_weights": getattr(linear, "blocks", None) is not None,  # GGUF blocks for small batches (quantization: gguf)
-        "num_kv_blocks": engine.runner.num_blocks,
-        "block_size": engine.block_manager.block_size,
-        "enable_prefix_caching": engine.block_manager.enable_prefix_caching,
-        "max_num_seqs": engine.scheduler.max_num_seqs,
-        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-        "max_model_len": engine.max_model_len,
-        "decode_kernel": engine.runner.decode_kernel is not None,
-        "device": engine.device.type,
-    }

@@ -24,15 +24,21 @@ def _track_engines():
     except ImportError:  # pure unit runs without torch still work
         yield
         return
-    original = LLMEngine.__init__
+    from engine.core_client import ProcessCore
 
-    def tracking_init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        LIVE_ENGINES.add(self)
+    originals = {cls: cls.__init__ for cls in (LLMEngine, ProcessCore)}  # a core process is checked through its stats
 
-    LLMEngine.__init__ = tracking_init
+    def tracking(original):
+        def tracking_init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            LIVE_ENGINES.add(self)
+        return tracking_init
+
+    for cls, original in originals.items():
+        cls.__init__ = tracking(original)
     yield
-    LLMEngine.__init__ = original
+    for cls, original in originals.items():
+        cls.__init__ = original
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +47,8 @@ def all_kv_blocks_free_after_test():
     yield
     deadline = time.monotonic() + 10
     for engine in list(LIVE_ENGINES):
+        if getattr(engine, "dead_reason", None) is not None or getattr(engine, "_closing", False):
+            continue  # a core process killed or shut down by its test has no blocks left to hold
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.02)
         stats = engine.stats()

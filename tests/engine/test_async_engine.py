@@ -1,4 +1,5 @@
-"""AsyncLLMEngine: streams of deltas, abort by close or cancel, bad input that never stops the loop."""
+"""AsyncLLMEngine: streams of deltas, abort by close or cancel, bad input that never stops the loop. Every test runs
+against both places the core can run: a thread of this process, and a child process of its own."""
 import asyncio
 
 import pytest
@@ -9,16 +10,23 @@ CHAT = [{"role": "user", "content": "Write a long story about a dragon."}]
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = AsyncLLMEngine(dtype="float32", num_kv_blocks=256, max_num_seqs=16)
+@pytest.fixture(scope="module", params=[False, True], ids=["core-thread", "core-process"])
+def engine(request):
+    eng = AsyncLLMEngine(dtype="float32", num_kv_blocks=256, max_num_seqs=16, engine_process=request.param)
     yield eng
     eng.shutdown()
 
 
+def runner_of(engine):
+    """The model runner, to inject failures: only reachable while the core runs in this process."""
+    if engine.config.engine_process:
+        pytest.skip("failures are injected into the in-process core; the core process runs the same LLMEngine code")
+    return engine.core.engine.runner
+
+
 async def wait_idle(engine, timeout=5.0):
     deadline = asyncio.get_running_loop().time() + timeout
-    while engine.engine.has_unfinished_requests():
+    while engine.has_unfinished_requests():
         assert asyncio.get_running_loop().time() < deadline, engine.stats()
         await asyncio.sleep(0.01)
     return engine.stats()
@@ -110,7 +118,8 @@ async def test_a_duplicate_request_id_is_refused(engine):
 
 
 async def test_a_transient_step_failure_is_retried_and_a_persistent_one_fails_only_its_request(engine, monkeypatch):
-    original = engine.engine.runner.execute
+    runner = runner_of(engine)
+    original = runner.execute
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -119,17 +128,17 @@ async def test_a_transient_step_failure_is_retried_and_a_persistent_one_fails_on
             raise RuntimeError("injected once")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine.engine.runner, "execute", flaky)
+    monkeypatch.setattr(runner, "execute", flaky)
     outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "retried")]
     assert outs[-1].finish_reason == "length" and outs[-1].error is None and len(outs[-1].token_ids) == 5
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected always")
 
-    monkeypatch.setattr(engine.engine.runner, "execute", broken)
+    monkeypatch.setattr(runner, "execute", broken)
     outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "victim")]
     assert outs[-1].finish_reason == "abort" and "engine step failed" in outs[-1].error
-    monkeypatch.setattr(engine.engine.runner, "execute", original)
+    monkeypatch.setattr(runner, "execute", original)
     after = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0), "survivor")]
     assert after[-1].finish_reason == "length" and engine.is_running and engine.health_problem() is None
 
@@ -145,7 +154,7 @@ async def test_the_step_loop_thread_uses_the_configured_threads(engine, monkeypa
 
 async def test_a_stop_string_split_across_tokens_never_leaks_into_a_delta(engine):
     free = [o async for o in engine.generate(CHAT, SamplingParams(max_tokens=40, temperature=0.0), "free-run")]
-    tokenizer, ids = engine.engine.tokenizer, free[-1].token_ids
+    tokenizer, ids = engine.inputs.tokenizer, free[-1].token_ids
     # a boundary deep in the text where both neighbouring tokens carry at least three characters
     boundary = next(k for k in range(len(ids) - 2, 4, -1)
                     if len(tokenizer.decode(ids[k - 1:k]).strip()) >= 3 and len(tokenizer.decode(ids[k:k + 1]).strip()) >= 3)

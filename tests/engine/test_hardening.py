@@ -73,7 +73,7 @@ def test_absurd_sampling_parameters_are_refused_naming_the_field(changes, param)
 def test_text_that_cannot_fit_or_is_not_unicode_is_refused_before_tokenizing(llm32):
     engine = llm32.engine
     with pytest.raises(EngineInputError, match="characters") as info:
-        engine.add_request("long", "a" * (engine.max_prompt_chars + 1), ORDINARY)
+        engine.add_request("long", "a" * (engine.inputs.max_prompt_chars + 1), ORDINARY)
     assert info.value.param == "prompt"
     with pytest.raises(EngineInputError, match="surrogate") as info:
         engine.add_request("surrogate", [{"role": "user", "content": "hi \ud800"}], ORDINARY)
@@ -84,7 +84,7 @@ def test_text_that_cannot_fit_or_is_not_unicode_is_refused_before_tokenizing(llm
 
 def test_max_tokens_limit_caps_the_default_and_refuses_more(llm32, monkeypatch):
     engine = llm32.engine
-    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"max_tokens_limit": 5}))
+    monkeypatch.setattr(engine.inputs, "config", engine.config.model_copy(update={"max_tokens_limit": 5}))
     with pytest.raises(EngineInputError, match="at most 5") as info:
         engine.add_request("over", "hi", SamplingParams(max_tokens=6))
     assert info.value.param == "max_tokens"
@@ -99,12 +99,12 @@ async def test_repeated_failed_steps_and_a_hung_step_make_the_engine_unhealthy()
         engine.start()
         assert engine.health_problem() is None
         release = threading.Event()
-        real = engine.engine.runner.execute
+        real = engine.core.engine.runner.execute
 
         def broken(batch):
             raise RuntimeError("device lost")
 
-        engine.engine.runner.execute = broken
+        engine.core.engine.runner.execute = broken
         for i in range(2):  # nothing in these steps could run: they count against the engine
             outs = [o async for o in engine.generate(f"request {i} and more", ORDINARY)]
             assert outs[-1].error
@@ -114,7 +114,7 @@ async def test_repeated_failed_steps_and_a_hung_step_make_the_engine_unhealthy()
             release.wait(30)
             return real(batch)
 
-        engine.engine.runner.execute = hung
+        engine.core.engine.runner.execute = hung
         stream = engine.add_request("hung", "Hello", ORDINARY)
         deadline = time.monotonic() + 10
         while "has run for" not in (engine.health_problem() or "") and time.monotonic() < deadline:

@@ -2,6 +2,8 @@
 import asyncio
 import json
 import logging
+import os
+import signal
 import time
 
 import httpx
@@ -68,31 +70,34 @@ def test_the_replica_steps_on_every_core_despite_rays_one_thread_default(replica
     assert stats["loop_threads"] == nproc() > 1, stats  # Ray sets OMP_NUM_THREADS=1 in every worker
 
 
-def test_zz_killed_replica_is_replaced_and_health_shows_it(base_url, auth, replica_handle):
-    """Runs last in this module: it kills the shared app's engine replica, with a stream in flight on it."""
-    import ray
-
-    replica_id = replica_handle.stats.remote().result(timeout_s=10)["replica_id"]
-    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].endswith(f"::llm#EngineReplica#{replica_id}")]  # this app's replica, no other
+def test_zz_a_killed_engine_core_fails_only_its_requests_and_serve_replaces_the_replica(base_url, auth, replica_handle):
+    """Runs last in this module: it kills the shared app's engine core process, with a stream in flight on it. The
+    replica's health check then fails, and Serve replaces the replica (a killed replica actor takes its core with
+    it: tests/engine/test_core_process.py)."""
+    stats = replica_handle.stats.remote().result(timeout_s=10)
+    replica_id, core_pid = stats["replica_id"], stats["core_pid"]
     with httpx.stream("POST", base_url + "/v1/chat/completions", json={**LONG, "ignore_eos": True}, headers=auth,
                       timeout=60) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         killed_at = time.monotonic()
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        os.kill(core_pid, signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - killed_at < 5, "the stream must end as soon as its core is gone"
     assert rest[-1] == "data: [DONE]", rest[-3:]
     error = json.loads(rest[-2][len("data: "):])["error"]
     assert error["code"] is None and "retry" in error["message"], error
     for internal in ("Traceback", "Actor", "actor_id", "ray.", "127.0.0.1", "File \""):
         assert internal not in error["message"], f"{internal!r} leaked to the client: {error['message']}"
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5}, headers=auth, timeout=60)
+    assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text)  # until Serve replaces it
     saw_outage = False
     while time.monotonic() - killed_at < 60 and not saw_outage:
         saw_outage = httpx.get(base_url + "/health", timeout=5).status_code == 503
         time.sleep(0.1)
-    assert saw_outage, "/health never reported the dead replica"
+    assert saw_outage, "/health never reported the dead core"
     wait_healthy(base_url, timeout=300)
-    log.warning("engine replica killed; /health healthy again after %.1f s", time.monotonic() - killed_at)
+    log.warning("engine core killed; /health healthy again after %.1f s", time.monotonic() - killed_at)
     r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5}, headers=auth, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    assert replica_handle.stats.remote().result(timeout_s=10)["replica_id"] != replica_id, "Serve replaced it"

@@ -1,0 +1,220 @@
+"""ProcessCore: the front end's handle on an engine core running in a child process (engine/core_process.py).
+The same interface as ThreadCore: validated requests go in, RequestOutputs come out through `deliver`.
+
+One ZMQ PUSH/PULL pair over ipc carries msgpack messages: requests and aborts as they come, one CoreOutputs per
+step back. A receiver thread turns the core's deltas into the RequestOutputs the in-process engine gives, so
+callers see no difference. The child dies with this process (its stdin is our pipe)."""
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core_messages import (CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest,
+                                  FromCore)
+from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
+from engine.input_processor import InputProcessor
+from engine.metrics import MetricsSink, StepMetrics, replay
+from engine.models import load_tokenizer
+from engine.sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+POLL_MS = 200  # how often the receiver looks at the child while no message comes
+START_TIMEOUT_S = 900  # a first start converts the embedded GGUF and builds the kernels
+Deliver = Callable[[list[RequestOutput]], None]
+
+
+@dataclass
+class RequestTotals:
+    """What the core sends as deltas, added up into what RequestOutput carries."""
+
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def add(self, out: CoreOutput) -> RequestOutput:
+        self.text += out.delta_text
+        self.token_ids += out.delta_token_ids
+        if out.delta_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.delta_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        return RequestOutput(out.request_id, self.prompt_token_ids, self.text, list(self.token_ids), out.delta_text,
+                             out.delta_token_ids, out.finish_reason, out.metrics, self.logprobs, out.error,
+                             out.num_cached_tokens, self.prompt_logprobs)
+
+
+class ProcessCore:
+    def __init__(self, config: EngineConfig, deliver: Deliver, on_death: Callable[[str], None]):
+        self.config = config
+        self._deliver, self._on_death = deliver, on_death
+        self._dir = tempfile.mkdtemp(prefix="engine-core-")
+        self._context = zmq.Context()
+        self._to_core = self._bind(zmq.PUSH, "inputs")
+        self._from_core = self._bind(zmq.PULL, "outputs")
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self._totals: dict[str, RequestTotals] = {}  # requests in flight
+        self._metrics_sink: MetricsSink | None = None
+        self._closing = False
+        self.dead_reason: str | None = None
+        self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process"], stdin=subprocess.PIPE)
+        setup = CoreSetup(config.model_dump_json(), f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
+        self.process.stdin.write(msgspec.json.encode(setup) + b"\n")
+        self.process.stdin.flush()
+        try:
+            ready = self._wait_ready()
+        except BaseException:
+            self.shutdown(timeout=1.0)
+            raise
+        self.limits, self.settings, self._stats = ready.limits, ready.settings, ready.stats
+        self._last_progress = time.monotonic()
+        self.inputs = InputProcessor(config, load_tokenizer(config), self.limits)
+        self._receiver = threading.Thread(target=self._receive_loop, name="engine-core-receiver", daemon=True)
+        self._receiver.start()
+
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)  # bounded upstream, by max_waiting
+        socket.bind(f"ipc://{self._dir}/{name}")
+        return socket
+
+    def _wait_ready(self) -> CoreReady:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._from_core.poll(POLL_MS):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the engine core process exited with code {self.process.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine core did not start within {START_TIMEOUT_S} s")
+        message = self._decoder.decode(self._from_core.recv())
+        if isinstance(message, CoreFailed):
+            raise RuntimeError(f"the engine core could not start: {message.error}")
+        return message
+
+    # -- the front end's calls -------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """The core warms itself up before it answers ready."""
+
+    def start(self) -> None:
+        """The core runs from construction on."""
+
+    def add(self, request: EngineRequest) -> None:
+        """Checks what only the core could otherwise: a duplicate id, a full queue (counting every request in
+        flight not known to be running, so the core itself never has to refuse)."""
+        limit = self.config.max_waiting
+        if request.request_id in self._totals:
+            raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
+        if limit is not None and len(self._totals) - self._stats["num_running"] >= limit:
+            raise EngineOverloadedError(f"the engine queue is full ({limit} waiting requests)")
+        if not self._totals:
+            self._last_progress = time.monotonic()  # the core was idle: the wait for a step starts now
+        self._totals[request.request_id] = RequestTotals(request.prompt_token_ids)
+        try:
+            self._send(CoreInputs(requests=[request]))
+        except BaseException:
+            del self._totals[request.request_id]
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._send(CoreInputs(aborts=[request_id]))
+
+    def attach_metrics(self, metrics: StepMetrics) -> None:
+        """The core's StepMetrics records; its updates are replayed here, on `metrics.sink`."""
+        self._metrics_sink = metrics.sink
+        self._send(CoreInputs(metrics_model_name=metrics.model_name))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._totals)
+
+    def health_problem(self) -> str | None:
+        """A dead core, a core with work that has not finished a step within step_timeout_s, or K failed steps."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        if self.process.poll() is not None:
+            return f"the engine core process exited with code {self.process.returncode}"
+        waited = time.monotonic() - self._last_progress
+        if self._totals and waited > self.config.step_timeout_s:
+            return f"no engine step finished in {waited:.0f} s with requests in flight (limit {self.config.step_timeout_s:g} s)"
+        failed = self._stats.get("consecutive_failed_steps", 0)
+        if failed >= self.config.max_consecutive_failed_steps:
+            return f"{failed:.0f} engine steps in a row failed"
+        return None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._send(CoreInputs(shutdown=True))
+            self.process.wait(timeout)
+        except Exception:  # a core that will not stop is killed
+            self.process.kill()
+            self.process.wait()
+        finally:
+            self.process.stdin.close()
+            receiver = getattr(self, "_receiver", None)
+            if receiver is not None and receiver is not threading.current_thread():
+                receiver.join(2 * POLL_MS / 1000)
+            self._context.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _send(self, message: CoreInputs) -> None:
+        """Never blocks: without a high-water mark a PUSH socket only refuses when no core is connected."""
+        try:
+            with self._send_lock:
+                self._to_core.send(self._encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("the engine core process is not connected")
+
+    # -- the receiver thread ---------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        try:
+            while not self._closing and self.dead_reason is None:
+                if self._from_core.poll(POLL_MS):
+                    self._handle(self._decoder.decode(self._from_core.recv()))
+                elif self.process.poll() is not None:
+                    self._die(f"the engine core process exited with code {self.process.returncode}")
+        except Exception as exc:
+            if not self._closing:
+                log.exception("the engine core's receiver failed")
+                self._die(f"the engine core's receiver failed: {type(exc).__name__}")
+
+    def _handle(self, message: CoreOutputs | CoreFailed | CoreReady) -> None:
+        if isinstance(message, CoreFailed):
+            self._die(message.error)
+            return
+        self._last_progress = time.monotonic()
+        self._stats = message.stats
+        if self._metrics_sink is not None:
+            replay(message.metric_updates, self._metrics_sink)
+        outputs = []
+        for out in message.outputs:
+            totals = self._totals.pop(out.request_id) if out.finish_reason is not None else self._totals.get(out.request_id)
+            if totals is not None:
+                outputs.append(totals.add(out))
+        self._deliver(outputs)
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is None and not self._closing:
+            log.error("engine core lost: %s", reason)
+            self.dead_reason = reason
+            self._on_death(reason)

@@ -1,0 +1,98 @@
+"""The engine core on a background thread of the calling process: the in-process mode (tests, benchmarks, one
+process for everything). The same interface as ProcessCore."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from engine.config import EngineConfig
+from engine.core_messages import EngineRequest
+from engine.llm_engine import LLMEngine
+from engine.metrics import StepMetrics
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5
+Deliver = Callable[[list[RequestOutput]], None]
+
+
+class ThreadCore:
+    def __init__(self, config: EngineConfig, deliver: Deliver, on_death: Callable[[str], None]):
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.inputs = self.engine.inputs
+        self.limits = self.engine.limits
+        self.settings = self.engine.settings()
+        self._deliver = deliver
+        self._on_death = on_death
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead_reason: str | None = None
+        self.loop_threads = 0  # torch threads as seen from the step loop's own thread
+
+    def warm_up(self) -> None:
+        """One short generation on the caller's thread, before the loop starts: first-call costs stay out of user
+        latency."""
+        self.engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
+            self._thread.start()
+
+    def add(self, request: EngineRequest) -> None:
+        self.engine.add_engine_request(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def attach_metrics(self, metrics: StepMetrics) -> None:
+        self.engine.attach_metrics(metrics)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "loop_threads": self.loop_threads,
+                "metrics_share_of_step": self.engine.metrics_share_of_step}
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def health_problem(self) -> str | None:
+        """Why this engine should be replaced, or None: a dead loop, K steps in a row in which no request could
+        run, or one step running past its deadline (a hung kernel or device)."""
+        if self._thread is None or not self._thread.is_alive() or self.dead_reason is not None:
+            return self.dead_reason or "the engine loop is not running"
+        engine, config = self.engine, self.config
+        started = engine.step_started_at
+        if started is not None and time.monotonic() - started > config.step_timeout_s:
+            return f"an engine step has run for {time.monotonic() - started:.0f} s (limit {config.step_timeout_s:g} s)"
+        if engine.consecutive_failed_steps >= config.max_consecutive_failed_steps:
+            return f"{engine.consecutive_failed_steps} engine steps in a row failed"
+        return None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run_loop(self) -> None:
+        try:
+            self.loop_threads = self.engine.claim_threads()
+            while not self._stop.is_set():
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._deliver(self.engine.step())
+        except BaseException as exc:  # step() contains per-request failures; reaching here means the engine is broken
+            log.exception("engine loop died")
+            self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
+            self._on_death(self.dead_reason)

@@ -1,0 +1,120 @@
+"""The front end's input half: tokenize text, token ids or chat messages, validate a request against the model's
+limits, and resolve max_tokens, so the core receives only requests it can run. Thread-safe but for the tokenizer,
+which its owner calls from one thread."""
+from __future__ import annotations
+
+import time
+from typing import Union
+
+from engine import chat
+from engine.config import EngineConfig
+from engine.core_messages import EngineRequest, ModelLimits
+from engine.errors import EngineInputError
+from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
+
+Messages = chat.Messages
+Prompt = Union[str, list[int], Messages]
+MAX_CACHE_SALT_CHARS = 256
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, limits: ModelLimits):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size)
+        # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
+        self.max_prompt_chars = limits.max_model_len * max(map(len, tokenizer.get_vocab()))
+
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
+                prompt_leader: str | None = None) -> EngineRequest:
+        """Validate and tokenize; EngineInputError names the field at fault."""
+        params = params or SamplingParams()
+        self._check_cache_salt(cache_salt)
+        self._check_token_ids(params)
+        token_ids = self.tokenize(prompt, tools)
+        max_tokens = self._validated_max_tokens(len(token_ids), params)
+        if params.structured_output is not None:
+            self.grammars.prepare(params.structured_output)  # refuses a schema that cannot compile, here
+        return EngineRequest(request_id, token_ids, params, max_tokens,
+                             time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader)
+
+    def tokenize(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a text, token ids or chat messages (with `tools` offered to the model: chat only)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EngineInputError("prompt is empty", "prompt")
+            self._check_length(len(prompt), "prompt")
+            _check_unicode(prompt, "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self._tokenize_chat(prompt, tools)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise EngineInputError("prompt is empty", "prompt")
+            vocab = self.limits.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise EngineInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+            return list(prompt)
+        raise EngineInputError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+    def _tokenize_chat(self, messages: Messages, tools: list[dict] | None) -> list[int]:
+        messages = chat.normalize(messages)
+        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+        for i, message in enumerate(messages):
+            _check_unicode(message["content"], f"messages[{i}].content")
+        text = chat.render(self.tokenizer, messages, tools)
+        self._check_length(len(text), "messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_length(self, num_chars: int, param: str) -> None:
+        """Before tokenizing: a text that cannot fit is refused without the cost of encoding it."""
+        if num_chars > self.max_prompt_chars:
+            raise EngineInputError(f"the prompt has {num_chars} characters; no more than {self.max_prompt_chars} "
+                                   f"can fit the model's context of {self.limits.max_model_len} tokens", param)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.limits.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise EngineInputError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})", name)
+
+    @staticmethod
+    def _check_cache_salt(salt: str | None) -> None:
+        if salt is None:
+            return
+        if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+            raise EngineInputError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+        _check_unicode(salt, "cache_salt")
+
+    def _validated_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The one max_tokens policy: a default of the rest of the context (or default_max_tokens), and a limit
+        that caps the default and refuses a larger explicit value."""
+        context, limit = self.limits.max_model_len, self.config.max_tokens_limit
+        if num_prompt_tokens >= context:
+            raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the model's context is {context}", "prompt")
+        capacity = self.limits.kv_capacity_tokens
+        if num_prompt_tokens >= capacity:
+            raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}", "prompt")
+        remaining = context - num_prompt_tokens
+        if params.max_tokens is None:
+            return min(self.config.default_max_tokens or remaining, limit or remaining, remaining)
+        if limit is not None and params.max_tokens > limit:
+            raise EngineInputError(f"max_tokens is {params.max_tokens}; this server allows at most {limit}", "max_tokens")
+        if num_prompt_tokens + params.max_tokens > context:
+            raise EngineInputError(
+                f"prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
+                f"together they exceed the model's context of {context}", "max_tokens")
+        return params.max_tokens
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """A lone surrogate is valid JSON but no tokenizer or encoder takes it: refused, naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise EngineInputError(f"{param} is not valid Unicode (a lone surrogate at character {exc.start})", param)

@@ -1,0 +1,139 @@
+"""The engine core in a child process: the same outputs as in-process, its metrics reach the parent's sink, its
+death fails only the requests in flight and shows in health, it dies with its parent, and starting and stopping
+it leaves nothing behind."""
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import AsyncLLMEngine, EngineDeadError, SamplingParams
+from engine.metrics import PrometheusSink, StepMetrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+CONFIG = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8, engine_process=True)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colours:"]
+
+
+def children_of(pid: int) -> set[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return {int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def core():
+    engine = AsyncLLMEngine(**CONFIG)
+    yield engine
+    engine.shutdown()
+
+
+async def test_a_core_process_gives_the_in_process_engines_outputs(core, llm32):
+    params = [SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, prompt_logprobs=1, stop=["\n\n"]),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=7),
+              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[13])]
+    expected = llm32.generate(PROMPTS, params, use_tqdm=False)
+
+    async def run(i):
+        return [o async for o in core.generate(PROMPTS[i], params[i], f"same-{i}")]
+
+    streams = await asyncio.gather(*(run(i) for i in range(len(PROMPTS))))
+    for outs, want in zip(streams, expected):
+        got = outs[-1]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert got.prompt_token_ids == want.prompt_token_ids
+        assert "".join(o.delta_text for o in outs) == got.text
+        assert sum((o.delta_token_ids for o in outs), []) == got.token_ids
+    first, want = streams[0][-1], expected[0]
+    assert [sorted(e) for e in first.logprobs] == [sorted(e) for e in want.logprobs]
+    assert [e[t] for e, t in zip(first.logprobs, first.token_ids)] == pytest.approx(
+        [e[t] for e, t in zip(want.logprobs, want.token_ids)], abs=1e-4)
+    assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == len(want.prompt_logprobs)
+    assert [sorted(e) for e in first.prompt_logprobs[1:]] == [sorted(e) for e in want.prompt_logprobs[1:]]
+
+
+async def test_the_cores_step_metrics_reach_the_parents_sink(core):
+    sink = PrometheusSink()
+    core.attach_metrics(StepMetrics(sink, "core-test"))
+    outs = [o async for o in core.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))]
+    assert len(outs[-1].token_ids) == 6
+    sample = {"model_name": "core-test"}
+    assert sink.registry.get_sample_value("engine_generation_tokens_total", sample) == 6
+    assert sink.registry.get_sample_value("engine_request_success_total", {**sample, "finish_reason": "length"}) == 1
+    assert sink.registry.get_sample_value("engine_time_to_first_token_seconds_count", sample) == 1
+    assert sink.registry.get_sample_value("engine_step_phase_seconds_total", {**sample, "phase": "forward"}) > 0
+
+
+async def test_a_killed_core_fails_the_requests_in_flight_and_says_so_in_health():
+    engine = AsyncLLMEngine(**CONFIG)
+    try:
+        stream = engine.add_request("victim", "Tell me a story", SamplingParams(max_tokens=500, ignore_eos=True))
+        await anext(stream)
+        pid = engine.stats()["core_pid"]
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exited"):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - killed_at < 3
+        assert "exited with code -9" in engine.health_problem()
+        with pytest.raises(EngineDeadError):
+            engine.add_request("after", "Hello", SamplingParams(max_tokens=2))
+    finally:
+        engine.shutdown()
+
+
+def test_the_core_dies_with_its_parent(tmp_path):
+    """However the parent goes (here SIGKILL, which runs no clean-up), the core does not outlive it."""
+    script = textwrap.dedent(f"""
+        import time
+        from engine import AsyncLLMEngine
+        engine = AsyncLLMEngine(**{CONFIG!r})
+        print(engine.stats()["core_pid"], flush=True)
+        time.sleep(600)
+    """)
+    socket_dirs = lambda: set(Path(tempfile.gettempdir()).glob("engine-core-*"))  # noqa: E731
+    before_dirs = socket_dirs()
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert alive(core_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while alive(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(core_pid), "the core outlived its parent"
+        assert socket_dirs() == before_dirs, "the killed parent's socket directory was left behind"
+    finally:
+        parent.kill()
+
+
+async def test_ten_starts_and_stops_leave_no_process_socket_or_block_behind():
+    socket_dirs = lambda: set(Path(tempfile.gettempdir()).glob("engine-core-*"))  # noqa: E731
+    before_children, before_fds, before_dirs = children_of(os.getpid()), len(os.listdir("/proc/self/fd")), socket_dirs()
+    for i in range(10):
+        engine = AsyncLLMEngine(**CONFIG)
+        core_pid = engine.stats()["core_pid"]
+        outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))]
+        assert len(outs[-1].token_ids) == 3
+        stats = engine.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0, stats
+        engine.shutdown()
+        assert not alive(core_pid), f"start {i}: the core process is still there after shutdown"
+    assert children_of(os.getpid()) == before_children
+    assert len(os.listdir("/proc/self/fd")) <= before_fds + 2  # pytest's own files may come and go
+    assert socket_dirs() == before_dirs, "a socket directory was left behind"
