@@ -1,14 +1,16 @@
 """The engine alone on the load-test prompt mix, closed loop: what serving could reach without Ray, HTTP or Locust.
 
-python benchmarks/closed_loop.py --threads 1 --concurrency 48 --seconds 40
+python benchmarks/closed_loop.py --threads 1 --concurrency 48 --seconds 600 --warmup 60   # as make loadtest
 """
 from __future__ import annotations
 
 import itertools
 import random
 import time
+from pathlib import Path
 
 import typer
+import yaml
 from tqdm.auto import tqdm
 
 from engine import LLMEngine, SamplingParams
@@ -17,13 +19,20 @@ from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHA
 from loadtest.prompts import load_prompts
 
 cli = typer.Typer(add_completion=False)
+SERVE_CONFIG = Path(__file__).resolve().parent.parent / "serve_app" / "config.yaml"
+
+
+def served_engine_config(**overrides) -> EngineConfig:
+    """The engine exactly as `make serve` configures it (serve_app/config.yaml), in this process."""
+    engine_args = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]["engine"]
+    return EngineConfig(**{**engine_args, "engine_process": False, **overrides})
 
 
 class ClosedLoop:
     """`users` seeded requests of the load-test mix in flight; each one that finishes is replaced by the next."""
 
     def __init__(self, threads: int = 1, users: int = 48, temperature: float = 1.0, max_tokens: int = 128):
-        self.engine = LLMEngine(EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024, num_threads=threads))  # as config.yaml
+        self.engine = LLMEngine(served_engine_config(num_threads=threads))
         self.temperature, self.max_tokens = temperature, max_tokens
         self._prompts, self._rng, self._ids = load_prompts(), random.Random(0), itertools.count()
         for _ in range(users):
@@ -43,19 +52,25 @@ class ClosedLoop:
 
 
 @cli.command()
-def main(threads: int = 1, concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128):
+def main(threads: int = 1, concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128,
+         warmup: float = typer.Option(0, help="seconds left out of the rates, as `make loadtest --warmup` does")):
     loop = ClosedLoop(threads, concurrency, temperature, max_tokens)
     engine = loop.engine
     start, steps, done = time.perf_counter(), 0, 0
+    at_warmup = None  # (time, steps, done, generated tokens) when the measured window opens
     with tqdm(total=int(seconds), desc="closed loop", unit="s") as bar:
         while (elapsed := time.perf_counter() - start) < seconds:
+            if at_warmup is None and elapsed >= warmup:
+                at_warmup = (elapsed, steps, done, engine.stats()["generation_tokens"])
             done += loop.step()
             steps += 1
-            bar.n = int(elapsed)
-            bar.refresh()
+            if int(elapsed) > bar.n:
+                bar.update(int(elapsed) - bar.n)
     stats = engine.stats()
-    print(f"threads {threads}, temperature {temperature}: {stats['generation_tokens'] / elapsed:.0f} generated tok/s, "
-          f"{steps / elapsed:.2f} steps/s, {done / elapsed * 3600:,.0f} req/h, "
+    window = elapsed - at_warmup[0]
+    print(f"threads {threads}, temperature {temperature}, {window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
+          f"{(stats['generation_tokens'] - at_warmup[3]) / window:.0f} generated tok/s, "
+          f"{(steps - at_warmup[1]) / window:.2f} steps/s, {(done - at_warmup[2]) / window * 3600:,.0f} req/h, "
           f"{(stats['prompt_tokens'] + stats['generation_tokens']) / steps:.0f} tokens/step")
     phases = {phase: stats[PHASE_KEY.format(phase)] for phase in PHASES}
     gc_seconds = sum(stats[GC_PAUSE_KEY.format(g)] for g in GENERATIONS)

@@ -19,7 +19,10 @@ from rich.table import Table
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import torch  # noqa: E402
+
 from engine.models import embedded_checkpoint  # noqa: E402
+from engine.models.loader import resolve_dtype  # noqa: E402
 from loadtest.run import wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +32,7 @@ cli = typer.Typer(add_completion=False)
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def servers(peers_python: Path) -> dict[str, dict]:
+def servers(peers_python: Path, dtype: str) -> dict[str, dict]:
     ckpt = str(embedded_checkpoint())
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1"}
@@ -40,7 +43,7 @@ def servers(peers_python: Path) -> dict[str, dict]:
         "vLLM CPU": {"url": "http://127.0.0.1:8002", "env": vllm_env,
                      "start": [str(peers_python), "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
                                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", "8002",
-                               "--dtype", "bfloat16", "--max-model-len", "2048"]},
+                               "--dtype", dtype, "--max-model-len", "2048"]},
     }
 
 
@@ -57,10 +60,13 @@ def sweep(label: str, url: str, rates: str, duration: int, warmup: int, slo: flo
 @cli.command()
 def main(rates: str = "1,2,3,4,6,8,10,12", duration: int = 90, warmup: int = 20, slo: float = 30.0,
          peers_python: Path = Path(".venv-peers/bin/python"), only: str = typer.Option("", help="comma list of labels"),
-         out_dir: Path = Path("loadtest/reports/sweep")):
+         out_dir: Path = Path("loadtest/reports/sweep"),
+         dtype: str = typer.Option("auto", help="vLLM's dtype; auto resolves as the engine's does (bf16 only where the CPU has it)")):
+    dtype = str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
+    console.print(f"vLLM CPU runs in {dtype}: serve_app/config.yaml's dtype must resolve to the same")
     results = {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    for label, spec in servers(peers_python).items():
+    for label, spec in servers(peers_python, dtype).items():
         if only and not any(o.strip().lower() in label.lower() for o in only.split(",")):
             earlier = sorted((out_dir / label.split()[0].lower()).glob("*/sweep.json"))
             if earlier:  # keep the last sweep of the servers not rerun, so the table still compares all three
