@@ -76,13 +76,14 @@ class ProcessCore:
         self.process.stdin.write(msgspec.json.encode(setup) + b"\n")
         self.process.stdin.flush()
         try:
+            tokenizer = load_tokenizer(config)  # while the child imports and loads
             ready = self._wait_ready()
         except BaseException:
             self.shutdown(timeout=1.0)
             raise
         self.limits, self.settings, self._stats = ready.limits, ready.settings, ready.stats
         self._last_progress = time.monotonic()
-        self.inputs = InputProcessor(config, load_tokenizer(config), self.limits)
+        self.inputs = InputProcessor(config, tokenizer, self.limits)
         self._receiver = threading.Thread(target=self._receive_loop, name="engine-core-receiver", daemon=True)
         self._receiver.start()
 

@@ -2,7 +2,6 @@
 transformers' fp32 forward on the dequantized checkpoint (the same weights, value for value), and against the engine's
 dense fp32 path."""
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.layers.linear import Linear
