@@ -17,15 +17,17 @@ from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
 from loadtest.prompts import load_prompts
+from serve_app.config import AppArgs
 
 cli = typer.Typer(add_completion=False)
 SERVE_CONFIG = Path(__file__).resolve().parent.parent / "serve_app" / "config.yaml"
 
 
 def served_engine_config(**overrides) -> EngineConfig:
-    """The engine exactly as `make serve` configures it (serve_app/config.yaml), in this process."""
-    engine_args = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]["engine"]
-    return EngineConfig(**{**engine_args, "engine_process": False, **overrides})
+    """The engine exactly as `make serve` configures it (serve_app/config.yaml, parsed as the app parses it), in this
+    process."""
+    engine = AppArgs(**yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]).engine
+    return engine.model_copy(update={"engine_process": False, **overrides})
 
 
 class ClosedLoop:
@@ -54,6 +56,8 @@ class ClosedLoop:
 @cli.command()
 def main(threads: int = 1, concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128,
          warmup: float = typer.Option(0, help="seconds left out of the rates, as `make loadtest --warmup` does")):
+    if warmup >= seconds:
+        raise typer.BadParameter(f"--warmup {warmup:g} leaves nothing of --seconds {seconds:g} to measure")
     loop = ClosedLoop(threads, concurrency, temperature, max_tokens)
     engine = loop.engine
     start, steps, done = time.perf_counter(), 0, 0
