@@ -2,7 +2,8 @@
 from engine.async_engine import AsyncLLMEngine
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import RequestOutput
 

@@ -1,28 +1,26 @@
-"""LLMEngine: one step() = schedule -> forward -> sample -> append, check stops, free. LLM: the offline API."""
+"""LLMEngine: one step() = schedule -> forward -> sample -> append, check stops, free."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
 from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineInputError, EngineOverloadedError
 from engine.host_memory import keep_freed_memory
-from engine.input_processor import Messages, Prompt, InputProcessor
+from engine.input_processor import InputProcessor, Prompt
+from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
-from engine.model_runner import ModelRunner, PromptLogits, StepLogits, kv_bytes_per_block
+from engine.model_runner import ModelRunner, PromptLogits, StepLogits
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
-from engine.sampler import INVALID_TOKEN, Sampler, make_generator
+from engine.output_processor import OutputProcessor
+from engine.sampler import INVALID_TOKEN, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
@@ -32,25 +30,6 @@ from engine.step_stats import GcPauses, PhaseTimer, stats_of
 from engine.structured_output import allowed_tokens
 
 log = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 2 << 30
-
-
-@dataclass
-class OutputState:
-    """What the engine tracks to turn a sequence's tokens into text deltas."""
-
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    max_tokens: int
-    text: str = ""
-    sent_text_len: int = 0
-    sent_token_len: int = 0
-    logprobs: list[dict[int, float]] | None = None
-    error: str | None = None
-    stop_holdback: int = 0
-    grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
 
 
 class LLMEngine:
@@ -76,13 +55,14 @@ class LLMEngine:
         self.gc_pauses = GcPauses()
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
                                   self.phases)
-        self.runner.kv_cache = self.runner.allocate_kv_cache(self._num_kv_blocks())
+        self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
                                   sorted(self.eos_token_ids))
         self.inputs = InputProcessor(config, self.tokenizer, self.limits)
         self.grammars = self.inputs.grammars  # one compile cache: the front end validates, the core copies matchers
+        self.outputs = OutputProcessor(self.detokenizer_tokenizer, self.eos_token_ids, self.max_model_len, self.device)
         self.sampler = Sampler()
         self.sequences: dict[str, Sequence] = {}
         self._inbox_lock = threading.Lock()
@@ -117,36 +97,6 @@ class LLMEngine:
             return None
         return build_paged_decode() if backend == "cpp" else paged_decode_op()  # 'cpp' raises where it cannot build
 
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        per_block = kv_bytes_per_block(self.model.config, cfg.block_size, self.dtype)
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory is not None:
-            return max(2, cfg.kv_cache_memory // per_block)
-        if self.device.type == "cuda":
-            return max(2, self._cuda_kv_budget() // per_block)
-        return max(2, CPU_DEFAULT_KV_BYTES // per_block)
-
-    def _cuda_kv_budget(self) -> int:
-        """Free memory after a warm-up forward at the largest step size, times gpu_memory_utilization."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        blocks = -(-self.config.max_num_batched_tokens // self.config.block_size)
-        self.runner.kv_cache = self.runner.allocate_kv_cache(blocks)
-        warm = Sequence("warmup", [0] * self.config.max_num_batched_tokens, SamplingParams(max_tokens=1))
-        warm.block_table = list(range(blocks))
-        batch = ScheduledBatch()
-        batch.add(warm, len(warm))
-        self.runner.execute(batch)  # noqa: the logits are not needed, only the memory peak
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        self.runner.kv_cache = self.runner.allocate_kv_cache(1)
-        torch.cuda.empty_cache()
-        used_elsewhere = total - free
-        return int(total * self.config.gpu_memory_utilization - used_elsewhere - activation_peak)
-
     # -- requests ----------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
@@ -168,15 +118,7 @@ class LLMEngine:
         params, token_ids = request.params, request.prompt_token_ids
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         seq = Sequence(request.request_id, token_ids, params, request.arrival_time, request.cache_salt)
-        seq.runtime = OutputState(
-            detokenizer=IncrementalDetokenizer(self.detokenizer_tokenizer, token_ids, params.skip_special_tokens),
-            generator=make_generator(params, self.device),
-            max_tokens=request.max_tokens,
-            logprobs=[] if params.logprobs is not None else None,
-            stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
-            grammar=grammar,
-            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
-        )
+        seq.runtime = self.outputs.new_state(request, grammar)
         with self._inbox_lock:
             if request.request_id in self.sequences:
                 raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
@@ -383,74 +325,17 @@ class LLMEngine:
         return self._output(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
-        state: OutputState = seq.runtime
-        seq.append_token(token)
+        reason = self.outputs.append(seq, token, logprob)
         now, timing = time.monotonic(), seq.metrics
         if self.metrics is not None:
             self.metrics.token(timing.arrival_time, timing.first_scheduled_time, timing.last_token_time, now)
         timing.first_token_time = timing.first_token_time or now
         timing.last_token_time = now
-        if state.logprobs is not None:
-            state.logprobs.append(logprob)
-        if state.grammar is not None and not state.grammar.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {state.grammar.get_error()}")
-        state.text += state.detokenizer.add(token)
-        reason = self._stop_reason(seq, token)
         if reason is not None:
-            if reason == "length" or token not in self.eos_token_ids:
-                state.text += state.detokenizer.flush()
-                self._truncate_at_stop_string(seq)
             self.scheduler.finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params, state = seq.params, seq.runtime
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return "stop"
-            if token in params.stop_token_ids:
-                return "stop"
-            if params.stop_strings and self._stop_string_at(seq) is not None:
-                return "stop"
-        if state.grammar is not None and state.grammar.is_stopped():
-            return "stop"  # the structure is complete: only EOS could follow
-        if seq.num_output_tokens >= state.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
-
-    @staticmethod
-    def _stop_string_at(seq: Sequence) -> int | None:
-        state = seq.runtime
-        window_start = max(0, state.sent_text_len - state.stop_holdback)
-        hits = [i for i in (state.text.find(s, window_start) for s in seq.params.stop_strings) if i >= 0]
-        return min(hits) if hits else None
-
-    def _truncate_at_stop_string(self, seq: Sequence) -> None:
-        if seq.params.stop_strings:
-            cut = self._stop_string_at(seq)
-            if cut is not None:
-                seq.runtime.text = seq.runtime.text[:cut]
-
     def _output(self, seq: Sequence) -> RequestOutput:
-        state: OutputState = seq.runtime
-        finished = seq.is_finished
-        visible = len(state.text) if finished else max(state.sent_text_len, len(state.text) - state.stop_holdback)
-        output_ids = seq.output_token_ids
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=state.text[:visible],
-            token_ids=output_ids,
-            delta_text=state.text[state.sent_text_len:visible],
-            delta_token_ids=output_ids[state.sent_token_len:],
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            logprobs=state.logprobs,
-            error=state.error,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            prompt_logprobs=state.prompt_logprobs,
-        )
-        state.sent_text_len, state.sent_token_len = visible, len(output_ids)
-        return out
+        return self.outputs.output(seq)
 
     def attach_metrics(self, metrics: StepMetrics) -> None:
         """Report from now on; counters start from the current totals. Call before the step loop starts."""
@@ -503,35 +388,3 @@ class LLMEngine:
             **stats_of(self.phases, self.gc_pauses),
         }
 
-
-class LLM:
-    """Offline API: generate for a list of prompts and return when all are done."""
-
-    def __init__(self, model: str | None = None, **kwargs: Any):
-        config = EngineConfig(**({"model": model} if model else {}), **kwargs)
-        self.engine = LLMEngine(config)
-
-    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
-        ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params_list):
-            self.engine.add_request(request_id, prompt, p)
-        finals: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
-                        bar.update(1)
-        return [finals[request_id] for request_id in ids]
-
-    def chat(self, conversations: list[Messages], params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        return self.generate(list(conversations), params, use_tqdm)

@@ -4,10 +4,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from engine.speculative import DraftStats
+
+if TYPE_CHECKING:  # torch lives there; the scheduler never reads it
+    from engine.output_processor import OutputState
 
 
 class SequenceStatus(enum.Enum):
@@ -43,7 +46,7 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.draft_token_ids: list[int] = []  # speculative tokens proposed for the next step; verified, not trusted
         self.draft_stats = DraftStats()
-        self.runtime: Any = None  # engine-side companions (detokenizer, generator); opaque to the scheduler
+        self.runtime: OutputState | None = None  # the output side's per-request state; opaque to the scheduler
 
     def __len__(self) -> int:
         return len(self.token_ids)
