@@ -1,6 +1,6 @@
 """The engine alone on the load-test prompt mix, closed loop: what serving could reach without Ray, HTTP or Locust.
 
-python benchmarks/closed_loop.py --threads 1 --concurrency 48 --seconds 600 --warmup 60   # as make loadtest
+python benchmarks/closed_loop.py --concurrency 48 --seconds 600 --warmup 60   # as make loadtest
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def served_engine_config(**overrides) -> EngineConfig:
 class ClosedLoop:
     """`users` seeded requests of the load-test mix in flight; each one that finishes is replaced by the next."""
 
-    def __init__(self, threads: int = 1, users: int = 48, temperature: float = 1.0, max_tokens: int = 128):
-        self.engine = LLMEngine(served_engine_config(num_threads=threads))
+    def __init__(self, threads: int | None = None, users: int = 48, temperature: float = 1.0, max_tokens: int = 128):
+        self.engine = LLMEngine(served_engine_config(**({"num_threads": threads} if threads else {})))
         self.temperature, self.max_tokens = temperature, max_tokens
         self._prompts, self._rng, self._ids = load_prompts(), random.Random(0), itertools.count()
         for _ in range(users):
@@ -54,7 +54,7 @@ class ClosedLoop:
 
 
 @cli.command()
-def main(threads: int = 1, concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128,
+def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/config.yaml sets them"), concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128,
          warmup: float = typer.Option(0, help="seconds left out of the rates, as `make loadtest --warmup` does")):
     if warmup >= seconds:
         raise typer.BadParameter(f"--warmup {warmup:g} leaves nothing of --seconds {seconds:g} to measure")
@@ -72,7 +72,7 @@ def main(threads: int = 1, concurrency: int = 48, seconds: float = 40, temperatu
                 bar.update(int(elapsed) - bar.n)
     stats = engine.stats()
     window = elapsed - at_warmup[0]
-    print(f"threads {threads}, temperature {temperature}, {window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
+    print(f"threads {engine.claim_threads()}, temperature {temperature}, {window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
           f"{(stats['generation_tokens'] - at_warmup[3]) / window:.0f} generated tok/s, "
           f"{(steps - at_warmup[1]) / window:.2f} steps/s, {(done - at_warmup[2]) / window * 3600:,.0f} req/h, "
           f"{(stats['prompt_tokens'] + stats['generation_tokens']) / steps:.0f} tokens/step")

@@ -1,6 +1,9 @@
 """Which linear wins on this CPU: plain `F.linear` against oneDNN pre-packed weights (`mkldnn._linear_pointwise`)
 and MKL pre-packed fp32 weights (`mkl._mkl_linear`), over 30 layers' cold weights of SmolLM2-135M's merged shapes
 (qkv, o, gate_up, down), at several batch sizes. The engine's `engine/layers/linear.py` uses what this shows.
+For fp32 it also times two int8 options (issue 14, item 6): fbgemm's dynamic quantization (weights int8 per output
+channel, activations quantized per tensor at run time, `quantized.linear_dynamic`) and int8 weight-only
+(`aten._weight_int8pack_mm`, activations kept in fp32).
 
 python benchmarks/linear_packing.py --threads 2 --dtypes float32,bfloat16 --rows 1,8,64,256
 """
@@ -32,7 +35,24 @@ def variants(dtype: torch.dtype, rows: int):
         found["mkl packed"] = (
             lambda w: (torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w),
             lambda x, p: torch.ops.mkl._mkl_linear(x, p[0], p[1], None, rows))
+        found["int8 dynamic (fbgemm)"] = (
+            lambda w: torch.ops.quantized.linear_prepack(int8_per_channel(w), None),
+            lambda x, p: torch.ops.quantized.linear_dynamic(x, p, True))
+        found["int8 weight-only"] = (
+            lambda w: int8_weight_and_scales(w),
+            lambda x, p: torch.ops.aten._weight_int8pack_mm(x, p[0], p[1]))
     return found
+
+
+def int8_weight_and_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: w ~ q * scale."""
+    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def int8_per_channel(w: torch.Tensor) -> torch.Tensor:
+    _, scales = int8_weight_and_scales(w)
+    return torch.quantize_per_channel(w, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
 
 
 def sweep_ms(run, weights: list, x_by_in: dict[int, torch.Tensor], repeats: int) -> float:
