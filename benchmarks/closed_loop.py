@@ -54,7 +54,8 @@ class ClosedLoop:
 
 
 @cli.command()
-def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/config.yaml sets them"), concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128,
+def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/config.yaml sets them"),
+         concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128,
          warmup: float = typer.Option(0, help="seconds left out of the rates, as `make loadtest --warmup` does")):
     if warmup >= seconds:
         raise typer.BadParameter(f"--warmup {warmup:g} leaves nothing of --seconds {seconds:g} to measure")
@@ -72,7 +73,8 @@ def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/con
                 bar.update(int(elapsed) - bar.n)
     stats = engine.stats()
     window = elapsed - at_warmup[0]
-    print(f"threads {engine.claim_threads()}, temperature {temperature}, {window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
+    print(f"threads {engine.config.resolved_num_threads()}, temperature {temperature}, "
+          f"{window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
           f"{(stats['generation_tokens'] - at_warmup[3]) / window:.0f} generated tok/s, "
           f"{(steps - at_warmup[1]) / window:.2f} steps/s, {(done - at_warmup[2]) / window * 3600:,.0f} req/h, "
           f"{(stats['prompt_tokens'] + stats['generation_tokens']) / steps:.0f} tokens/step")

@@ -44,14 +44,18 @@ def variants(dtype: torch.dtype, rows: int):
     return found
 
 
-def int8_weight_and_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_scales(w: torch.Tensor) -> torch.Tensor:
     """Symmetric int8 per output channel: w ~ q * scale."""
-    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    return w.abs().amax(dim=1).clamp(min=1e-8) / 127
+
+
+def int8_weight_and_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = int8_scales(w)
     return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
 def int8_per_channel(w: torch.Tensor) -> torch.Tensor:
-    _, scales = int8_weight_and_scales(w)
+    scales = int8_scales(w)
     return torch.quantize_per_channel(w, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
 
 

@@ -156,7 +156,7 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler.running, self._draft_room)
             batch = self.scheduler.schedule()
-        outputs += [self._output(seq) for seq in batch.out_of_memory]
+        outputs += [self.outputs.output(seq) for seq in batch.out_of_memory]
         if batch:
             run_start = time.perf_counter()
             outputs += self._run(batch)
@@ -189,7 +189,7 @@ class LLMEngine:
             seq = self.sequences.get(request_id)
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-                outputs.append(self._output(seq))
+                outputs.append(self.outputs.output(seq))
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -289,7 +289,7 @@ class LLMEngine:
                 return self._fail(seq, f"post-processing failed: {type(exc).__name__}")
             if seq.is_finished:
                 break
-        return self._output(seq)
+        return self.outputs.output(seq)
 
     def _draft_room(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
@@ -322,7 +322,7 @@ class LLMEngine:
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         seq.runtime.error = message
         self.scheduler.finish(seq, "abort")
-        return self._output(seq)
+        return self.outputs.output(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
         reason = self.outputs.append(seq, token, logprob)
@@ -333,9 +333,6 @@ class LLMEngine:
         timing.last_token_time = now
         if reason is not None:
             self.scheduler.finish(seq, reason)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return self.outputs.output(seq)
 
     def attach_metrics(self, metrics: StepMetrics) -> None:
         """Report from now on; counters start from the current totals. Call before the step loop starts."""
