@@ -3,6 +3,7 @@ the rest of the step, at a steady decode batch, for each model implementation in
 
 Each phase is timed by wrapping its function with a clock (no profiler: its per-op overhead would swamp the small
 ops this is meant to show). python benchmarks/step_phases.py --batch 64 --context 200 --impls native,hf,gguf
+An impl ending in `+compile` runs `compile: true`; its layers are one graph, so only its model total is split out.
 """
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ class PhaseClock:
 
 @contextmanager
 def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
-    targets = [(torch.nn.Linear, "forward", "linear"), (engine.layers.linear.Linear, "forward", "linear"),
-               (engine.models.llama, "paged_attention", "attention"), (engine.models.hf, "paged_attention", "attention"),
-               (llm_engine.runner, "execute", "model"), (llm_engine, "sampler", "sampler"),
+    targets = [(llm_engine.runner, "execute", "model"), (llm_engine, "sampler", "sampler"),
                (engine.detokenizer.IncrementalDetokenizer, "add", "detokenizer"),
                (llm_engine.scheduler, "schedule", "scheduler")]
+    if not llm_engine.config.compile:  # a clock inside a compiled graph would break it
+        targets += [(torch.nn.Linear, "forward", "linear"), (engine.layers.linear.Linear, "forward", "linear"),
+                    (engine.models.llama, "paged_attention", "attention"),
+                    (engine.models.hf, "paged_attention", "attention")]
     originals = [(owner, name, clock.wrap(owner, name, phase)) for owner, name, phase in targets]
     try:
         yield
@@ -61,15 +64,17 @@ def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
 
 
 def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) -> LLMEngine:
-    """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks)."""
+    """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks), each + "+compile" or not."""
+    impl, compiled = impl.removesuffix("+compile"), impl.endswith("+compile")
     weights = {"model_impl": "native", "quantization": "gguf"} if impl == "gguf" else {"model_impl": impl}
-    llm_engine = LLMEngine(EngineConfig(**weights, dtype=dtype, num_threads=threads, max_num_seqs=batch,
+    llm_engine = LLMEngine(EngineConfig(**weights, compile=compiled, dtype=dtype, num_threads=threads, max_num_seqs=batch,
                                         max_num_batched_tokens=2048, num_kv_blocks=batch * (context // 16 + 8)))
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         llm_engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(context)], params)
     while llm_engine.stats()["generation_tokens"] < batch:  # every prompt prefilled: only decodes from here
-        llm_engine.step()
+        if any(output.error for output in llm_engine.step()):
+            raise RuntimeError(f"{impl}: a step failed; see the engine's log")
     return llm_engine
 
 

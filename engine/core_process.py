@@ -20,7 +20,6 @@ from engine.core_messages import CoreFailed, CoreInputs, CoreOutput, CoreOutputs
 from engine.errors import EngineOverloadedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import RecordingSink, StepMetrics
-from engine.sampling_params import SamplingParams
 from engine.sequence import RequestMetrics, RequestOutput
 
 log = logging.getLogger("engine.core")
@@ -41,7 +40,7 @@ def main() -> int:
     encoder = msgspec.msgpack.Encoder()
     try:
         engine = LLMEngine(EngineConfig.model_validate_json(setup.config_json))
-        _warm_up(engine)
+        engine.warm_up()  # before answering ready
     except Exception as exc:
         log.exception("the engine core could not start")
         outputs.send(encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
@@ -67,13 +66,6 @@ def _exit_with_parent(socket_dir: str) -> None:
         pass
     shutil.rmtree(socket_dir, ignore_errors=True)
     os._exit(0)
-
-
-def _warm_up(engine: LLMEngine) -> None:
-    """One short generation before answering ready: first-call costs stay out of user latency."""
-    engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 class CoreLoop:

@@ -11,7 +11,6 @@ from engine.config import EngineConfig
 from engine.core_messages import EngineRequest
 from engine.llm_engine import LLMEngine
 from engine.metrics import StepMetrics
-from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -35,11 +34,8 @@ class ThreadCore:
         self.loop_threads = 0  # torch threads as seen from the step loop's own thread
 
     def warm_up(self) -> None:
-        """One short generation on the caller's thread, before the loop starts: first-call costs stay out of user
-        latency."""
-        self.engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        """On the caller's thread, before the loop starts."""
+        self.engine.warm_up()
 
     def start(self) -> None:
         if self._thread is None:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -139,6 +140,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self._inbox_lock:
             return bool(self._new_seqs or self._aborts or self.scheduler.num_unfinished)
+
+    def warm_up(self) -> None:
+        """One short generation before serving: first-call costs (above all compiling the decoder, with `compile`)
+        stay out of user latency."""
+        self.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+        what = "compiling the decoder" if self.config.compile else "warming up"
+        with tqdm(desc=what, unit="step", bar_format="{desc}: {n} steps, {elapsed}") as bar:
+            while self.has_unfinished_requests():
+                self.step()
+                bar.update()
 
     # -- the step ------------------------------------------------------------------------------------
 

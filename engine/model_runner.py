@@ -129,7 +129,7 @@ class ModelRunner:
             table = self._tensor(seq.block_table[: -(-context_len // self.block_size)])
             prefills.append(PrefillChunk(start, start + num_new, context_len, table))
             start += num_new
-        return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, prefills, self.write_kv)
+        return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, prefills, self.write_kv, self.kv_cache)
 
     def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
         width = max(len(seq.block_table) for seq in seqs)

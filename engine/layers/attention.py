@@ -5,6 +5,7 @@ The pool is head-major, `[layers, 2, kv_heads, num_blocks, block_size, head_dim]
 then yields contiguous `[kv_heads, batch, context, head_dim]` tensors, on which batched matmuls are fast.
 A block-major pool with SDPA on the strided gather measured 5x slower on CPU (BENCHMARKS.md).
 The native models call `paged_attention` directly; `engine/models/hf.py` adapts it to transformers' interface.
+A compiled decoder holds it as one custom op instead (`engine/layers/attention_op.py`).
 """
 from __future__ import annotations
 
@@ -59,12 +60,23 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
     write_kv: Callable | None = None  # the fused CPU op writing new K/V into their slots; None: index_copy_
+    kv_pool: torch.Tensor | None = None  # the pool kv_layers are views of, [layers, 2, kv_heads, blocks, block_size, D]
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
+        k_cache, v_cache = self.kv_layers[layer]
+        return attend(query, key, value, k_cache, v_cache, self, scaling)
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, meta: AttentionMetadata,
-                    scaling: float) -> torch.Tensor:
-    """query [T, heads, D], key/value [T, kv_heads, D] of one layer -> [T, heads, D]."""
-    k_cache, v_cache = meta.kv_layers[layer]
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, meta, scaling: float
+                    ) -> torch.Tensor:
+    """query [T, heads, D], key/value [T, kv_heads, D] of one layer -> [T, heads, D]. `meta`: the step's
+    AttentionMetadata, or inside a compiled graph its tensors (`attention_op.AttentionTensors`)."""
+    return meta.attend(query, key, value, layer, scaling)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+    """Write one layer's new K/V into its pools, then attend each sequence over its context."""
     if meta.write_kv is not None and key.dtype == k_cache.dtype:
         meta.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     else:

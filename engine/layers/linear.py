@@ -51,11 +51,13 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and x.shape[0] <= self.block_rows:
+        if self.blocks is not None and not torch.compiler.is_compiling() and x.shape[0] <= self.block_rows:
             return block_matmul(x, self.blocks, self.bias)
         return self.dense_forward(x)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and torch.compiler.is_compiling():
+            return torch.ops.engine.packed_linear(x, self.packed, self.bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -86,3 +88,19 @@ class MergedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
+
+
+# The packed matmul as one opaque node of a compiled graph: inductor lowers oneDNN's linear only on weights it froze
+# itself, and a graph with frozen oneDNN weights cannot be cached on disk. (`define`, not `custom_op`: see
+# engine/layers/attention_op.py.)
+torch.library.define("engine::packed_linear", "(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+
+
+@torch.library.impl("engine::packed_linear", "CompositeExplicitAutograd")  # the packed weight is MkldnnCPU
+def packed_linear(x, packed, bias, out_features):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.register_fake("engine::packed_linear")
+def _(x, packed, bias, out_features):
+    return x.new_empty((x.shape[0], out_features))

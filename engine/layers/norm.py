@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (norm(x + residual), x + residual); the sum is the next residual. Computed in fp32, as HF does."""
-        if self.fused is not None:
+        if self.fused is not None and not torch.compiler.is_compiling():
             return tuple(self.fused.add_rms_norm(x, residual, self.weight, self.eps))
         if residual is not None:
             x = x + residual

@@ -51,6 +51,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
     if config.quantization == "gguf" and reason is not None:
         raise ValueError(f"quantization gguf runs on the native model only, which cannot run {config.model}: {reason}")
+    if config.compile and reason is not None:
+        raise ValueError(f"compile runs on the native model only, which cannot run {config.model}: {reason}")
     if reason is None:
         model = load_native(path, hf_config, config, device, dtype)
     elif config.model_impl == "native":
@@ -73,6 +75,8 @@ def load_native(path: str, hf_config, config: EngineConfig, device: torch.device
     model.pack()
     if device.type == "cpu":
         model.use_fused_ops(fused_ops())
+    if config.compile:
+        model.compile(cache_root())
     return model.eval()
 
 

@@ -5,6 +5,7 @@ transformers' `modeling_llama.py` / `modeling_qwen2.py`, checked against them in
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -17,6 +18,7 @@ from engine.layers.logits import LMHead
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import BlockWeight, crossover_rows
 from engine.layers.rotary import RotaryEmbedding, StepRope
+from engine.models.compiled import CompiledForward
 
 # checkpoint name part -> (our merged module, shard)
 MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -87,14 +89,20 @@ class LlamaModel(nn.Module):
         self.shape = (attention.heads, attention.kv_heads, attention.head_dim, cfg.rms_norm_eps, attention.scaling)
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        if self.decodes_natively(hidden, meta):
+        hidden = self.embed_tokens(input_ids)
+        if self.decodes_natively(hidden.shape[0], meta):
             decode = meta.decode
             hidden, residual = self.fused.decode_layers(
                 hidden, self.native_weights, [t for pair in meta.kv_layers for t in pair], positions, self.rotary.cos,
                 self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape)
             return self.norm(hidden, residual)[0]
-        rope = self.rotary(positions, hidden.dtype, self.fused)
+        return self.layers_forward(hidden, positions, meta)
+
+    def layers_forward(self, hidden, positions, meta) -> torch.Tensor:
+        """Embedded tokens -> final hidden states, layer by layer; what `engine/models/compiled.py` compiles, where
+        the fused C++ ops give way to torch ops that inductor fuses itself."""
+        rope = self.rotary(positions, hidden.dtype, None if torch.compiler.is_compiling() else self.fused)
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
@@ -108,13 +116,13 @@ class LlamaModel(nn.Module):
         self.native_weights = [t for layer in self.layers for t in _native_weights(layer)] if enabled and possible else None
         return self.native_weights is not None
 
-    def decodes_natively(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def decodes_natively(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Decodes only, few enough rows that every linear reads its blocks, and the C++ attention and KV write."""
         decode = meta.decode
         return (self.native_weights is not None and not meta.prefills and decode is not None
                 and decode.kernel is not None and meta.write_kv is not None
-                and hidden.shape[0] <= self.layers[0].mlp.down_proj.block_rows
-                and meta.kv_layers[0][0].dtype == hidden.dtype)
+                and num_tokens <= self.layers[0].mlp.down_proj.block_rows
+                and meta.kv_layers[0][0].dtype == self.embed_tokens.weight.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,10 +134,18 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.model = LlamaModel(cfg, max_position)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+        self.compiled: CompiledForward | None = None  # set by `compile`
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         """Flat [T] token ids and positions -> logits [len(logits_indices), vocab]."""
+        if self.compiled is not None and not self.model.decodes_natively(input_ids.shape[0], meta):
+            return self.compiled(input_ids, positions, meta, logits_indices)
         return self.lm_head(self.model(input_ids, positions, meta), logits_indices)
+
+    def compile(self, cache_dir: Path) -> None:
+        """Every step but the one-call native decode runs through one inductor graph from now on (compiled on the
+        first such step)."""
+        self.compiled = CompiledForward(self, cache_dir)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
         """Checkpoint (HF names) -> this model; every parameter must be loaded exactly once, or it raises. A GGUF

@@ -49,6 +49,11 @@ def test_native_model_is_refused_where_it_cannot_run(tiny_gpt2):
         LLM(model=str(tiny_gpt2), model_impl="native", num_kv_blocks=16)
 
 
+def test_compile_is_refused_on_the_hf_fallback_rather_than_ignored(tiny_gpt2):
+    with pytest.raises(ValueError, match="compile runs on the native model only.*GPT2LMHeadModel"):
+        LLM(model=str(tiny_gpt2), compile=True, num_kv_blocks=16)
+
+
 def test_resident_weight_bytes_are_the_checkpoint_plus_the_packed_tied_head(llm32):
     """fp32: every checkpoint tensor once, plus the LM head's own packed copy of the tied embedding."""
     from engine.models.loader import checkpoint_dir, checkpoint_tensors, resolve_model_path

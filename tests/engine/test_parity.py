@@ -97,3 +97,21 @@ def test_greedy_output_matches_hf_at_every_position(models, tokenizer, model, ba
     exact = sum(assert_matches_hf(hf_model, prompt, out, f"{model}/{backend}/{mode} prompt {i}")
                 for i, (prompt, out) in enumerate(zip(prompts, outputs)))
     assert exact >= len(prompts) * NEW_TOKENS - 2, f"{exact} exact positions: near-ties should be rare"
+
+
+@pytest.mark.parametrize("model", ["llama-hd80", "qwen2-hd128"])
+def test_compiled_decoder_matches_hf(models, tokenizer, model):
+    """`compile: true`: every step runs through one inductor graph with attention as a custom op, under
+    preemption and chunked prefill (mixed decode + prefill steps), and still matches HF at every position."""
+    path, hf_model = models[model]
+    prompts = varied_prompts(tokenizer)
+    llm = LLM(model=path, dtype="float32", compile=True, num_kv_blocks=48, max_num_batched_tokens=48)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats, compiled = llm.engine.stats(), llm.engine.model.compiled
+    assert stats["num_preemptions"] > 0, stats
+    assert compiled.steps == stats["num_steps"] and compiled.graphs == 1, (compiled.steps, compiled.graphs)
+    assert_varied(outputs)
+    exact = sum(assert_matches_hf(hf_model, prompt, out, f"{model}/compiled prompt {i}")
+                for i, (prompt, out) in enumerate(zip(prompts, outputs)))
+    assert exact >= len(prompts) * NEW_TOKENS - 2, f"{exact} exact positions: near-ties should be rare"
