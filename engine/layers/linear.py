@@ -56,11 +56,11 @@ class Linear(nn.Module):
         return self.dense_forward(x)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and torch.compiler.is_compiling():
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # an op of the graph; eager, the call itself (no dispatch: 121 a step)
             return torch.ops.engine.packed_linear(x, self.packed, self.bias, self.out_features)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return packed_matmul(x, self.packed, self.bias, self.out_features)
 
     @property
     def resident_bytes(self) -> int:
@@ -96,9 +96,11 @@ class MergedLinear(Linear):
 torch.library.define("engine::packed_linear", "(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
 
 
-@torch.library.impl("engine::packed_linear", "CompositeExplicitAutograd")  # the packed weight is MkldnnCPU
-def packed_linear(x, packed, bias, out_features):
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+torch.library.impl("engine::packed_linear", "CompositeExplicitAutograd", packed_matmul)  # the packed weight is MkldnnCPU
 
 
 @torch.library.register_fake("engine::packed_linear")

@@ -31,7 +31,6 @@ class CompiledForward:
         self.graph = torch.compile(self._forward, backend=self._inductor, dynamic=True, fullgraph=True)
         self.graphs = 0  # graphs compiled: more than one means a guard failed and dynamo recompiled
         self.steps = 0
-        self.compile_seconds = 0.0
 
     def _inductor(self, graph_module, example_inputs):
         self.graphs += 1
@@ -55,7 +54,6 @@ class CompiledForward:
             logits = self.graph(input_ids, positions, attention, logits_indices)
         self.steps += 1
         if self.graphs > graphs:
-            self.compile_seconds += time.perf_counter() - start
             log.info("compiled the decoder (graph %d) in %.1f s; inductor's cache: %s", self.graphs,
                      time.perf_counter() - start, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return logits

@@ -6,7 +6,7 @@ transformers' `modeling_llama.py` / `modeling_qwen2.py`, checked against them in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
@@ -18,7 +18,9 @@ from engine.layers.logits import LMHead
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import BlockWeight, crossover_rows
 from engine.layers.rotary import RotaryEmbedding, StepRope
-from engine.models.compiled import CompiledForward
+
+if TYPE_CHECKING:
+    from engine.models.compiled import CompiledForward
 
 # checkpoint name part -> (our merged module, shard)
 MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -145,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
     def compile(self, cache_dir: Path) -> None:
         """Every step but the one-call native decode runs through one inductor graph from now on (compiled on the
         first such step)."""
+        from engine.models.compiled import CompiledForward  # here: importing inductor adds 0.75 s to every start
+
         self.compiled = CompiledForward(self, cache_dir)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
