@@ -25,8 +25,8 @@ def q4_weights():
     """Per layer and shape: (int4 codes [N, K] int32, scales [N, K/32], mins [N, K/32]) as Q4_1 stores them."""
     for _ in range(LAYERS):
         for out, inp in SHAPES:
-            yield (torch.randint(0, 16, (out, inp), dtype=torch.int32), torch.rand(out, inp // GROUP) * 0.01,
-                   torch.randn(out, inp // GROUP) * 0.01)
+            yield (torch.randint(0, 16, (out, inp), dtype=torch.int32), (torch.rand(out, inp // GROUP) * 0.01).half().float(),
+                   (torch.randn(out, inp // GROUP) * 0.01).half().float())  # GGUF's fp16 scales
 
 
 def dense(codes, scales, mins, dtype):
@@ -49,7 +49,8 @@ def blocks(codes, scales, mins, dtype):
     n, k = codes.shape
     pairs = codes.to(torch.uint8).view(n, k // GROUP, 2, 16)
     weight = BlockWeight("q4", (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), scales, mins)
-    return lambda x: block_matmul(x, weight, None)
+    packed = weight.pack()
+    return lambda x: block_matmul(x, packed, None)
 
 
 VARIANTS = {"engine blocks fp32": (blocks, torch.float32), "dense fp32": (dense, torch.float32), "dense bf16": (dense, torch.bfloat16),

@@ -35,9 +35,10 @@ def cpu_features_tag() -> str:
 
 
 # One translation unit, in this order: the decoder (last) calls the others' kernels directly.
-UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "paged_attention_cpu.cpp", "quantized_matmul_cpu.cpp", "decoder_cpu.cpp")
+UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "paged_attention_cpu.cpp", "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp",
+        "decoder_cpu.cpp")
 FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "q4_matmul", "q8_matmul",
-             "decode_layers"]
+             "interleaved_rows", "decode_layers"]
 
 
 @functools.cache

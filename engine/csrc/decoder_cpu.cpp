@@ -13,7 +13,7 @@ struct BlockLinear {
   // As engine/layers/quantized.py's block_matmul: fp32 in and out of the kernel, the bias added in fp32.
   torch::Tensor operator()(const torch::Tensor& x) const {
     const auto x32 = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
-    auto y = mins.numel() ? block_matmul<Q4Block>(x32, codes, scales, mins) : block_matmul<Q8Block>(x32, codes, scales, c10::nullopt);
+    auto y = matmul_blocks(x32, codes, scales, mins);
     if (bias.numel()) y.add_(bias);
     return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
   }

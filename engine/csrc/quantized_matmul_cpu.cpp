@@ -3,9 +3,11 @@
 //   q4: W[n, 32g + j] = q*d + m, q a nibble: byte j of a block holds element j (low) and element j + 16 (high).
 //   q8: W[n, 32g + j] = q*d, q an int8.
 // fp32 accumulation. AVX-512 and AVX2 intrinsics, chosen by the CPU it is built on (-march=native, see cpu_kernels.py),
-// and a plain loop elsewhere; small row counts are where it runs: larger ones go to a dense matmul. The portable and
-// AVX-512 paths take fp32 activations (the dequantized fp32 matmul within fp32 rounding); the AVX2 path rounds them
-// to 16 bits per block (below), a relative error of at most 2^-16 of a block's largest activation.
+// and a plain loop elsewhere; small row counts are where it runs: larger ones go to a dense matmul. These read the
+// file's layout; on AVX-512, matrices of whole 16-row groups are interleaved at load and run by
+// interleaved_matmul_cpu.cpp instead. The portable path and AVX-512 on the file's layout take fp32 activations (the
+// dequantized fp32 matmul within fp32 rounding); the AVX2 path and the interleaved one round them to 16 bits per
+// block (below), an error of at most 2^-16 of a block's largest activation.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -76,6 +78,69 @@ inline void row_dot(const uint8_t* q, const float* d, const float* m, const Floa
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Activations rounded to 16-bit integers per 32-element block (the AVX2 path below, and the AVX-512 path over
+// interleaved rows): x = code * scale with scale = the block's largest |x| / 32767, so |error| <= scale / 2.
+struct Int16Rows {
+  const int16_t* codes;
+  const float* scales;
+  const float* sums;
+  int64_t k;
+  Int16Rows from(int64_t r0) const {
+    return {codes + r0 * k, scales + r0 * (k / kBlock), sums + r0 * (k / kBlock), k};
+  }
+};
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One 32-element block of x to int16 codes (round to nearest), its scale and its exact sum.
+inline void round_block(const float* x, int16_t* codes, float* scale, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    total = _mm256_add_ps(total, v[i]);
+  }
+  const float top = horizontal_max(amax);
+  *scale = top / 32767.f;
+  *sum = horizontal_sum(total);
+  const __m256 inverse = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+  for (int i = 0; i < 4; i += 2) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inverse));
+    // packs interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7); the permute puts them back in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 8 * i), packed);
+  }
+}
+
+// Owns the rounded activations for one call (plain vectors: a torch allocation costs more, 211 calls a step).
+struct Int16Activations {
+  int64_t k;
+  std::vector<int16_t> codes;
+  std::vector<float> scales, sums;
+  explicit Int16Activations(const torch::Tensor& x)
+      : k(x.size(1)), codes(x.numel()), scales(x.numel() / kBlock), sums(x.numel() / kBlock) {
+    const float* xp = x.data_ptr<float>();
+    for (size_t b = 0; b < scales.size(); ++b) {
+      round_block(xp + b * kBlock, codes.data() + b * kBlock, &scales[b], &sums[b]);
+    }
+  }
+  Int16Rows rows() const { return {codes.data(), scales.data(), sums.data(), k}; }
+};
+#endif
+
 #if defined(__AVX512F__)
 // The same in AVX-512 registers: a block is two 16-lane vectors, dequantized once and shared by the ROWS rows.
 struct Q4Vec {
@@ -125,49 +190,6 @@ using Activations = FloatActivations;
 // (`vpmaddwd`) instead of four fp32 conversions and FMAs: 1.6x faster at one row on a Zen 1 EPYC, where 256-bit
 // conversions are split in two (llama.cpp rounds them to 8 bits, which is faster still but a bf16-like error).
 // Each block's exact fp32 sum of x carries Q4_1's `m` term: sum_j (q_j d + m) x_j = d sum_j q_j x_j + m sum_j x_j.
-struct Int16Rows {
-  const int16_t* codes;
-  const float* scales;
-  const float* sums;
-  int64_t k;
-  Int16Rows from(int64_t r0) const {
-    return {codes + r0 * k, scales + r0 * (k / kBlock), sums + r0 * (k / kBlock), k};
-  }
-};
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float horizontal_max(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-// One 32-element block of x to int16 codes (round to nearest), its scale and its exact sum.
-inline void round_block(const float* x, int16_t* codes, float* scale, float* sum) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    total = _mm256_add_ps(total, v[i]);
-  }
-  const float top = horizontal_max(amax);
-  *scale = top / 32767.f;
-  *sum = horizontal_sum(total);
-  const __m256 inverse = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
-  for (int i = 0; i < 4; i += 2) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inverse));
-    // packs interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7); the permute puts them back in order
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 8 * i), packed);
-  }
-}
 
 // A block's 32 weight codes as two vectors of 16 int16 (elements 0-15, 16-31), in x's order.
 inline void q4_widen(const uint8_t* q, __m256i w[2]) {
@@ -212,20 +234,6 @@ inline void row_dot_avx2(const uint8_t* q, const float* d, const float* m, const
   }
 }
 
-// Owns the rounded activations for one call (plain vectors: a torch allocation costs more, 211 calls a step).
-struct Int16Activations {
-  int64_t k;
-  std::vector<int16_t> codes;
-  std::vector<float> scales, sums;
-  explicit Int16Activations(const torch::Tensor& x)
-      : k(x.size(1)), codes(x.numel()), scales(x.numel() / kBlock), sums(x.numel() / kBlock) {
-    const float* xp = x.data_ptr<float>();
-    for (size_t b = 0; b < scales.size(); ++b) {
-      round_block(xp + b * kBlock, codes.data() + b * kBlock, &scales[b], &sums[b]);
-    }
-  }
-  Int16Rows rows() const { return {codes.data(), scales.data(), sums.data(), k}; }
-};
 using Activations = Int16Activations;
 #define ROW_DOT row_dot_avx2
 #else
@@ -272,13 +280,3 @@ torch::Tensor block_matmul(const torch::Tensor& x, const torch::Tensor& q, const
 }
 
 }  // namespace
-
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor mins) {
-  ReleaseGil no_gil;
-  return block_matmul<Q4Block>(x, q, scales, mins);
-}
-
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
-  ReleaseGil no_gil;
-  return block_matmul<Q8Block>(x, q, scales, c10::nullopt);
-}

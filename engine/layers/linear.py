@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.quantized import BlockWeight, block_matmul, concat_rows
+from engine.layers.quantized import BlockWeight, PackedBlocks, block_matmul, concat_rows
 
 PACKING_ROWS_HINT = 64
 
@@ -36,7 +36,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
-        self.blocks: BlockWeight | None = None
+        self.blocks: BlockWeight | PackedBlocks | None = None  # PackedBlocks once packed
         self.block_rows = 0
 
     def load_blocks(self, blocks: BlockWeight) -> None:
@@ -45,7 +45,10 @@ class Linear(nn.Module):
         self.weight.data.copy_(blocks.dequantize())
 
     def pack(self) -> None:
-        """Swap the weight for its oneDNN layout where that is faster; the plain copy is dropped, not kept twice."""
+        """Swap the weight for its oneDNN layout where that is faster; the plain copy is dropped, not kept twice.
+        GGUF blocks go into the layout the block kernel reads."""
+        if isinstance(self.blocks, BlockWeight):
+            self.blocks = self.blocks.pack()
         if can_pack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACKING_ROWS_HINT)
             self.weight = None

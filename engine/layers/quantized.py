@@ -7,6 +7,10 @@ build rounds the activations to 16 bits per 32-element block first (at most 2^-1
 is what makes it fast on CPUs whose 256-bit conversions are slow. It loses to oneDNN's packed dense matmul past a
 few rows (`benchmarks/int4_matmul.py`), so a `Linear` with blocks keeps its packed dense copy too and picks by row
 count, at a crossover measured on this CPU at load.
+
+Before serving, `BlockWeight.pack` puts the blocks in the layout the build's kernel reads (`PackedBlocks`): the
+file's own, or on AVX-512 16 output rows interleaved (`engine/csrc/interleaved_matmul_cpu.cpp`), which rounds the
+activations to 16 bits per block as the AVX2 path does, and makes each extra row of a step nearly free.
 """
 from __future__ import annotations
 
@@ -56,6 +60,57 @@ class BlockWeight:
         return torch.addcmul(self.mins[..., None], codes, self.scales[..., None]).view(rows, cols)
 
 
+    def pack(self) -> "PackedBlocks":
+        """The blocks in the layout this CPU's kernel reads: 16 rows interleaved where it wants them (AVX-512) and
+        the scales fit fp16 exactly (GGUF stores them in fp16), else the file's."""
+        lanes = build_block_matmul().interleaved_rows()
+        rows = self.shape[0]
+        if lanes and rows % lanes == 0 and all(_fits_fp16(t) for t in (self.scales, self.mins) if t is not None):
+            return self._interleaved(lanes)
+        return PackedBlocks(self.kind, self.codes, self.scales, self.mins if self.mins is not None else _NONE)
+
+    def _interleaved(self, lanes: int) -> "PackedBlocks":
+        rows, cols = self.shape
+        groups = cols // BLOCK
+        if self.kind == "q4":
+            blocks = self.codes.view(rows, groups, QUANT_BYTES)
+            values = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # element order
+            chunks = values.view(rows // lanes, lanes, groups, 4, 8).permute(0, 2, 3, 1, 4)
+            codes = chunks[..., [0, 2, 1, 3]] | (chunks[..., [4, 6, 5, 7]] << 4)
+        else:
+            chunks = self.codes.view(rows // lanes, lanes, groups, 8, 4).permute(0, 2, 3, 1, 4)
+            codes = chunks[..., [0, 2, 1, 3]]
+        codes = codes.reshape(rows // lanes, groups, -1).contiguous()
+
+        def per_lane(t: torch.Tensor) -> torch.Tensor:
+            return t.view(rows // lanes, lanes, groups).transpose(1, 2).half().contiguous()
+
+        mins = per_lane(self.mins) if self.mins is not None else _NONE
+        return PackedBlocks(self.kind, codes, per_lane(self.scales), mins)
+
+
+_NONE = torch.empty(0)
+
+
+def _fits_fp16(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t)
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """GGUF blocks as this CPU's kernel reads them (see `BlockWeight.pack`); only the kernels look inside. `mins`
+    is empty for Q8_0."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
+
+
 def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     """Several matrices of one input stacked as one (merged q/k/v, gate/up)."""
     kinds = {p.kind for p in parts}
@@ -65,7 +120,7 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     return BlockWeight(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
 
 
-def block_matmul(x: torch.Tensor, blocks: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def block_matmul(x: torch.Tensor, blocks: PackedBlocks, bias: torch.Tensor | None) -> torch.Tensor:
     kernels = build_block_matmul()
     dtype = x.dtype
     x32 = x if dtype == torch.float32 else x.float()  # a no-op `.float()` is still a dispatch: 210 a step add up

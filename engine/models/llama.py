@@ -226,7 +226,7 @@ def _native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
 
     def linear(m: Linear) -> list[torch.Tensor]:
         b = m.blocks
-        return [b.codes, b.scales, none if b.mins is None else b.mins, none if m.bias is None else m.bias]
+        return [b.codes, b.scales, b.mins, none if m.bias is None else m.bias]
 
     return [layer.input_layernorm.weight, *linear(attention.qkv_proj), *linear(attention.o_proj),
             layer.post_attention_layernorm.weight, *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]

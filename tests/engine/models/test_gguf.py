@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from engine.layers.quantized import block_matmul
+from engine.cpu_kernels import build_block_matmul
+from engine.layers.quantized import BlockWeight, block_matmul
 from engine.models import checkpoint_tensors, embedded_checkpoint, embedded_gguf_path
 from engine.models.gguf import read_tensors
-from engine.layers.quantized import BlockWeight
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]):
@@ -82,19 +82,36 @@ def assert_within_the_bound(got, x, blocks, expected):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_block_kernel_equals_the_dequantized_fp32_matmul(kind, rows, dtype):
-    blocks = random_blocks(kind, 80, 192, seed=rows)
-    bias = torch.randn(80).to(dtype)
+@pytest.mark.parametrize("outputs", [80, 40])  # 40: not whole groups of 16 rows, so the file's layout on AVX-512 too
+def test_the_block_kernel_equals_the_dequantized_fp32_matmul(kind, rows, dtype, outputs):
+    blocks = random_blocks(kind, outputs, 192, seed=rows)
+    bias = torch.randn(outputs).to(dtype)
     x = torch.randn(rows, 192).to(dtype)
-    got = block_matmul(x, blocks, bias)
+    got = block_matmul(x, blocks.pack(), bias)
     expected = F.linear(x.double(), blocks.dequantize().double(), bias.double())
     assert got.dtype == dtype
     if dtype == torch.float32:
         assert_within_the_bound(got, x, blocks, expected)
         return
     torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())  # bf16 output
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_blocks_are_packed_in_the_layout_this_cpu_reads(kind):
+    """Interleaved by 16 rows where the kernel wants it (AVX-512) and the scales are fp16 values, as GGUF stores
+    them; otherwise the file's own layout, which every build reads."""
+    blocks = random_blocks(kind, 32, 64, seed=0)
+    lanes = build_block_matmul().interleaved_rows()
+    packed = blocks.pack()
+    assert packed.codes.dim() == (3 if lanes else 2)
+    if lanes:
+        assert packed.codes.shape == (32 // lanes, 2, lanes * (16 if kind == "q4" else 32))
+        assert packed.scales.dtype == torch.float16 and packed.nbytes < blocks.nbytes
+    off_fp16 = BlockWeight(kind, blocks.codes, blocks.scales + 1e-6, blocks.mins)
+    assert off_fp16.pack().codes.dim() == 2
+    assert random_blocks(kind, 40, 64, seed=0).pack().codes.dim() == 2
 
 
 ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
