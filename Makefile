@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup model serve stop test test-fast bench bench-peers bench-latency eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: setup model serve stop test test-fast bench bench-peers bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -53,6 +53,17 @@ $(PEERS)/.installed:
 # single-stream and low-concurrency decode latency, dense against the GGUF blocks; ARGS="--url http://127.0.0.1:8000" adds HTTP
 bench-latency: model
 	$(PY) benchmarks/latency.py $(ARGS)
+
+# the same with llama.cpp decoding one stream of the same GGUF file in the same run; llama-cpp-python has no binary
+# wheel on PyPI, so this builds llama.cpp for this CPU (about 6 minutes on 2 cores), in its own venv
+LLAMACPP := .venv-llamacpp
+$(LLAMACPP)/.installed:
+	test -x $(LLAMACPP)/bin/python || python3 -m venv $(LLAMACPP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP)/bin/python -m pip install -q llama-cpp-python==0.3.36 numpy
+	touch $@
+
+bench-latency-peers: model $(LLAMACPP)/.installed
+	$(PY) benchmarks/latency.py --llama-cpp-python $(LLAMACPP)/bin/python $(ARGS)
 
 # output quality of engine configurations against fp32 (perplexity, greedy agreement, a reference-model judge)
 eval: model

@@ -100,6 +100,32 @@ def http_itl(url: str, api_key: str | None, concurrency: int, tokens: int) -> li
         return [gap for gaps in pool.map(one, range(concurrency)) for gap in gaps]
 
 
+def llama_cpp_itl(python: str, threads: int, tokens: int, runs: int) -> tuple[list[float], str]:
+    """llama.cpp's inter-token gaps on the same GGUF file, one stream (`llama_cpp_peer.py` under its own Python)."""
+    import subprocess
+    import sys
+
+    from engine.models import embedded_gguf_path
+
+    script = Path(__file__).with_name("llama_cpp_peer.py")
+    done = subprocess.run([python, str(script), str(embedded_gguf_path()), "--threads", str(threads), "--tokens",
+                           str(tokens), "--runs", str(runs), "--prompt", PROMPT], capture_output=True, text=True, check=False)
+    if done.returncode:
+        sys.exit(f"llama.cpp peer failed ({done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(done.stdout)
+    return result["gaps"], result["version"]
+
+
+def gguf_matmul_bytes() -> int:
+    """Bytes of the embedded GGUF's quantized matrices: what llama.cpp reads a decode step (the tied Q8_0 embedding
+    once, as its LM head)."""
+    from gguf import GGUFReader
+
+    from engine.models import embedded_gguf_path
+
+    return sum(int(t.n_bytes) for t in GGUFReader(str(embedded_gguf_path())).tensors if t.tensor_type.name != "F32")
+
+
 def summarize(gaps: list[float]) -> dict:
     ordered = sorted(gaps)
     p50, p95 = statistics.median(ordered), ordered[int(0.95 * (len(ordered) - 1))]
@@ -109,7 +135,9 @@ def summarize(gaps: list[float]) -> dict:
 @cli.command()
 def main(variants: str = "dense-float32,gguf-float32,gguf-bfloat16", concurrency: str = "1,2,4,8", tokens: int = 64,
          threads: int = 2, runs: int = 3, url: str | None = None, api_key: str | None = None,
-         out_dir: Path = Path("benchmarks/results")):
+         llama_cpp_python: str | None = None, out_dir: Path = Path("benchmarks/results")):
+    """--llama-cpp-python: a Python with llama-cpp-python (make bench-latency-peers), to add llama.cpp's single
+    stream on the same GGUF file in the same run."""
     bandwidth = read_bandwidth_gbs(threads)
     levels = [int(c) for c in concurrency.split(",")]
     rows: list[dict] = []
@@ -123,6 +151,12 @@ def main(variants: str = "dense-float32,gguf-float32,gguf-bfloat16", concurrency
             row["bytes_limit_share"] = (row["step_weight_mb"] * 1e6 / (bandwidth * 1e9)) / (row["itl_p50_ms"] / 1e3)
             rows.append(row)
         del llm_engine
+    if llama_cpp_python:
+        gaps, version = llama_cpp_itl(llama_cpp_python, threads, tokens, runs)
+        row = {"variant": f"llama.cpp {version}", "path": "offline", "concurrency": 1, **summarize(gaps),
+               "step_weight_mb": gguf_matmul_bytes() / 1e6}
+        row["bytes_limit_share"] = (row["step_weight_mb"] * 1e6 / (bandwidth * 1e9)) / (row["itl_p50_ms"] / 1e3)
+        rows.append(row)
     if url:
         for level in levels:
             rows.append({"variant": "server", "path": "http", "concurrency": level, **summarize(http_itl(url, api_key, level, tokens))})
