@@ -1,16 +1,15 @@
 """Matmuls straight from GGUF blocks (Q4_0/Q4_1/Q8_0, see `engine/models/gguf.py`), for the few rows of a decode
 step at low load, where reading the weights is the whole cost: Q4_1 is about a sixth of fp32's bytes.
 
-The kernel (`engine/csrc/quantized_matmul_cpu.cpp`) uses each block's exact values and accumulates in fp32, whatever
-the model's dtype. Its AVX-512 and portable builds match the dequantized fp32 matmul within fp32 rounding; its AVX2
-build rounds the activations to 16 bits per 32-element block first (at most 2^-16 of the block's largest |x|), which
-is what makes it fast on CPUs whose 256-bit conversions are slow. It loses to oneDNN's packed dense matmul past a
-few rows (`benchmarks/int4_matmul.py`), so a `Linear` with blocks keeps its packed dense copy too and picks by row
-count, at a crossover measured on this CPU at load.
-
-Before serving, `BlockWeight.pack` puts the blocks in the layout the build's kernel reads (`PackedBlocks`): the
-file's own, or on AVX-512 16 output rows interleaved (`engine/csrc/interleaved_matmul_cpu.cpp`), which rounds the
-activations to 16 bits per block as the AVX2 path does, and makes each extra row of a step nearly free.
+The kernels use each block's exact values and accumulate in fp32, whatever the model's dtype. Before serving,
+`BlockWeight.pack` puts the blocks in the layout this CPU's kernel reads (`PackedBlocks`): on AVX-512, 16 output
+rows interleaved (`engine/csrc/interleaved_matmul_cpu.cpp`), so each extra row of a step costs little; elsewhere the
+file's own (`engine/csrc/quantized_matmul_cpu.cpp`). The AVX2 and interleaved kernels round the activations to 16
+bits per 32-element block (at most 2^-16 of the block's largest |x|), which is what makes them fast; the portable
+one, and AVX-512 on matrices that are not whole 16-row groups, match the dequantized fp32 matmul within fp32
+rounding. Past some row count oneDNN's packed dense matmul wins (`benchmarks/int4_matmul.py`: about 16 rows against
+bf16 with AMX, 3-12 against fp32 on AVX2), so a `Linear` with blocks keeps its packed dense copy too and picks by
+row count, at a crossover measured on this CPU at load.
 """
 from __future__ import annotations
 
@@ -58,7 +57,6 @@ class BlockWeight:
         blocks = self.codes.view(rows, -1, QUANT_BYTES)
         codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()
         return torch.addcmul(self.mins[..., None], codes, self.scales[..., None]).view(rows, cols)
-
 
     def pack(self) -> "PackedBlocks":
         """The blocks in the layout this CPU's kernel reads: 16 rows interleaved where it wants them (AVX-512) and
