@@ -126,6 +126,12 @@ def gguf_matmul_bytes() -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(str(embedded_gguf_path())).tensors if t.tensor_type.name != "F32")
 
 
+def against_bytes_limit(row: dict, step_bytes: int, bandwidth_gbs: float) -> dict:
+    """The row with the weight MB a step reads and the share of the bytes limit its median step reaches."""
+    seconds_at_bandwidth = step_bytes / (bandwidth_gbs * 1e9)
+    return {**row, "step_weight_mb": step_bytes / 1e6, "bytes_limit_share": seconds_at_bandwidth / (row["itl_p50_ms"] / 1e3)}
+
+
 def summarize(gaps: list[float]) -> dict:
     ordered = sorted(gaps)
     p50, p95 = statistics.median(ordered), ordered[int(0.95 * (len(ordered) - 1))]
@@ -146,17 +152,14 @@ def main(variants: str = "dense-float32,gguf-float32,gguf-bfloat16", concurrency
         offline_itl(llm_engine, 1, 8)  # warm-up
         for level in levels:
             runs_gaps = [offline_itl(llm_engine, level, tokens) for _ in range(runs)]
-            row = {"variant": variant, "path": "offline", "concurrency": level,
-                   **summarize([g for gaps in runs_gaps for g in gaps]), "step_weight_mb": step_weight_bytes(llm_engine, level) / 1e6}
-            row["bytes_limit_share"] = (row["step_weight_mb"] * 1e6 / (bandwidth * 1e9)) / (row["itl_p50_ms"] / 1e3)
-            rows.append(row)
+            rows.append(against_bytes_limit({"variant": variant, "path": "offline", "concurrency": level,
+                                             **summarize([g for gaps in runs_gaps for g in gaps])},
+                                            step_weight_bytes(llm_engine, level), bandwidth))
         del llm_engine
     if llama_cpp_python:
         gaps, version = llama_cpp_itl(llama_cpp_python, threads, tokens, runs)
-        row = {"variant": f"llama.cpp {version}", "path": "offline", "concurrency": 1, **summarize(gaps),
-               "step_weight_mb": gguf_matmul_bytes() / 1e6}
-        row["bytes_limit_share"] = (row["step_weight_mb"] * 1e6 / (bandwidth * 1e9)) / (row["itl_p50_ms"] / 1e3)
-        rows.append(row)
+        rows.append(against_bytes_limit({"variant": f"llama.cpp {version}", "path": "offline", "concurrency": 1,
+                                         **summarize(gaps)}, gguf_matmul_bytes(), bandwidth))
     if url:
         for level in levels:
             rows.append({"variant": "server", "path": "http", "concurrency": level, **summarize(http_itl(url, api_key, level, tokens))})

@@ -80,25 +80,9 @@ inline void group_dot(const uint8_t* codes, const c10::Half* d, const c10::Half*
 }
 
 template <bool kQ4>
-inline void group_dot_any(int rows, const uint8_t* codes, const c10::Half* d, const c10::Half* m, const Int16Rows& x,
-                          int64_t groups, float* out, int64_t out_stride) {
-  switch (rows) {
-    case 1: return group_dot<kQ4, 1>(codes, d, m, x, groups, out, out_stride);
-    case 2: return group_dot<kQ4, 2>(codes, d, m, x, groups, out, out_stride);
-    case 3: return group_dot<kQ4, 3>(codes, d, m, x, groups, out, out_stride);
-    case 4: return group_dot<kQ4, 4>(codes, d, m, x, groups, out, out_stride);
-    case 5: return group_dot<kQ4, 5>(codes, d, m, x, groups, out, out_stride);
-    case 6: return group_dot<kQ4, 6>(codes, d, m, x, groups, out, out_stride);
-    case 7: return group_dot<kQ4, 7>(codes, d, m, x, groups, out, out_stride);
-    default: return group_dot<kQ4, 8>(codes, d, m, x, groups, out, out_stride);
-  }
-}
-
-template <bool kQ4>
 torch::Tensor interleaved_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                                  const torch::Tensor& m) {
   constexpr int64_t bytes = kQ4 ? 256 : 512;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be [M, K] float32");
   const int64_t m_rows = x.size(0), k = x.size(1), row_groups = codes.size(0), groups = k / kBlock, n = row_groups * kLanes;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.size(1) == groups &&
               codes.size(2) == bytes, "interleaved codes must be [N/16, K/32, ", bytes, "] uint8");
@@ -115,9 +99,11 @@ torch::Tensor interleaved_matmul(const torch::Tensor& x, const torch::Tensor& co
     for (int64_t group = begin; group < end; ++group) {
       const int64_t scale_offset = group * groups * kLanes;
       for (int64_t r0 = 0; r0 < m_rows; r0 += kInterleavedRowTile) {
-        group_dot_any<kQ4>(static_cast<int>(std::min<int64_t>(kInterleavedRowTile, m_rows - r0)),
-                           qp + group * groups * bytes, dp + scale_offset, mp ? mp + scale_offset : nullptr,
-                           rows.from(r0), groups, yp + r0 * n + group * kLanes, n);
+        with_rows<kInterleavedRowTile>(std::min<int64_t>(kInterleavedRowTile, m_rows - r0), [&](auto tile) {
+          group_dot<kQ4, decltype(tile)::value>(qp + group * groups * bytes, dp + scale_offset,
+                                                mp ? mp + scale_offset : nullptr, rows.from(r0), groups,
+                                                yp + r0 * n + group * kLanes, n);
+        });
       }
     }
   });
@@ -128,6 +114,8 @@ torch::Tensor interleaved_matmul(const torch::Tensor& x, const torch::Tensor& co
 // Either layout: interleaved codes are 3-D, the file's 2-D. `mins` is empty for Q8_0.
 torch::Tensor matmul_blocks(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                             const torch::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % kBlock == 0,
+              "x must be [M, K] float32 with K a multiple of 32");
   const bool q4 = mins.numel() > 0;
   if (codes.dim() == 3) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)

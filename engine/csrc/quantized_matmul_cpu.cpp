@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -21,7 +23,17 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kRowTile = 4;  // x rows sharing one dequantized block: 4 x 32 accumulators fit the registers
+constexpr int kRowTile = 4;  // x rows sharing one dequantized block: 4 x 32 accumulators fit the registers
+
+// f(std::integral_constant<int, r>{}) with r = rows (1..kMax): the row count of a tile as a compile-time constant,
+// so a kernel's per-row accumulators stay in registers.
+template <int kMax, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (kMax > 1) {
+    if (rows < kMax) return with_rows<kMax - 1>(rows, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, kMax>{});
+}
 
 struct Q4Block {
   static void dequantize(const uint8_t* q, float d, float m, float* w) {
@@ -241,24 +253,12 @@ using Activations = FloatActivations;
 #define ROW_DOT row_dot
 #endif
 
-template <typename Block, typename Rows>
-inline void row_dot_any(int64_t rows, const uint8_t* q, const float* d, const float* m, const Rows& x, int64_t k,
-                        float* out, int64_t out_stride) {
-  switch (rows) {
-    case 1: return ROW_DOT<Block, 1>(q, d, m, x, k, out, out_stride);
-    case 2: return ROW_DOT<Block, 2>(q, d, m, x, k, out, out_stride);
-    case 3: return ROW_DOT<Block, 3>(q, d, m, x, k, out, out_stride);
-    default: return ROW_DOT<Block, 4>(q, d, m, x, k, out, out_stride);
-  }
-}
-
 template <typename Block>
 torch::Tensor block_matmul(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                            const c10::optional<torch::Tensor>& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous(), "q must be contiguous uint8");
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
-  TORCH_CHECK(k % kBlock == 0 && q.size(1) == k / kBlock * Block::bytes, "q must be [N, K/32 blocks]");
+  TORCH_CHECK(q.size(1) == k / kBlock * Block::bytes, "q must be [N, K/32 blocks]");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(1) == k / kBlock);
   const Activations activations(x.contiguous());
   const auto rows = activations.rows();
@@ -271,8 +271,10 @@ torch::Tensor block_matmul(const torch::Tensor& x, const torch::Tensor& q, const
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t r0 = 0; r0 < m_rows; r0 += kRowTile) {
-        row_dot_any<Block>(std::min(kRowTile, m_rows - r0), qp + row * row_bytes, dp + row * groups,
-                           mp ? mp + row * groups : nullptr, rows.from(r0), k, yp + r0 * n + row, n);
+        with_rows<kRowTile>(std::min<int64_t>(kRowTile, m_rows - r0), [&](auto tile) {
+          ROW_DOT<Block, decltype(tile)::value>(qp + row * row_bytes, dp + row * groups, mp ? mp + row * groups : nullptr,
+                                                rows.from(r0), k, yp + r0 * n + row, n);
+        });
       }
     }
   });

@@ -134,3 +134,9 @@ def test_the_avx2_and_portable_kernels_equal_the_dequantized_fp32_matmul(isa):
             args = (blocks.codes, blocks.scales, blocks.mins) if kind == "q4" else (blocks.codes, blocks.scales)
             got = getattr(kernels, f"{kind}_matmul")(x, *args)
             assert_within_the_bound(got, x, blocks, x.double() @ blocks.dequantize().double().T)
+
+
+def test_the_block_kernel_refuses_activations_that_are_not_whole_blocks():
+    blocks = random_blocks("q4", 32, 64, seed=0).pack()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        build_block_matmul().q4_matmul(torch.randn(1, 48), blocks.codes, blocks.scales, blocks.mins)
