@@ -40,6 +40,9 @@ class AppArgs(BaseModel):
     request_timeout_s: float = Field(default=600, gt=0)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     body_timeout_s: float = Field(default=30, gt=0, description="the whole request body must arrive within this")
+    stream_interval: int = Field(default=1, ge=1, description=(
+        "tokens per streamed chunk after the first, as vLLM's --stream-interval: fewer, fuller chunks cost the "
+        "serving processes less CPU under load; the first token and the end are never held back"))
     sse_keepalive_s: float = Field(default=15, gt=0, description="an SSE comment after this long without a chunk")
     openapi_url: str | None = Field(default="/openapi.json", description="None hides the schema")
     retry_after_s: int = Field(default=1, ge=0)

@@ -16,6 +16,7 @@ class GenerationJob:
     cache_salt: str | None = None
     tools: list[dict[str, Any]] | None = None  # offered to the model through the chat template
     echo: bool = False  # completions: the prompt's text comes back in Admitted
+    stream_interval: int | None = 1  # tokens per Delta after a choice's first; None: one Delta per choice, at its end
 
 
 @dataclass

@@ -93,23 +93,27 @@ class EngineReplica:
         try:
             yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None)
             sent_tokens: list[int | None] = [None] * len(streams)  # None: nothing sent yet
+            held_text: list[str] = [""] * len(streams)  # text of outputs not sent yet; the latest output has the rest
             async for index, outputs in _each_choice(streams):
-                delta = self._delta(index, outputs, sent_tokens[index] or 0, job.params.logprobs)
+                last = outputs[-1]
+                held_text[index] += "".join(o.delta_text for o in outputs)
+                if not _due(last, sent_tokens[index], job.stream_interval):
+                    continue
+                delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
                 if sent_tokens[index] is None and job.params.prompt_logprobs is not None:
-                    delta.prompt_logprobs = self._prompt_logprobs(outputs[-1], job.params.prompt_logprobs)
-                sent_tokens[index] = len(outputs[-1].token_ids)
+                    delta.prompt_logprobs = self._prompt_logprobs(last, job.params.prompt_logprobs)
+                sent_tokens[index], held_text[index] = len(last.token_ids), ""
                 yield delta
         finally:
             for stream in streams:
                 await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
 
-    def _delta(self, index: int, outputs: list[RequestOutput], sent_tokens: int, top_logprobs: int | None) -> Delta:
-        last = outputs[-1]
+    def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, top_logprobs: int | None) -> Delta:
         logprobs = None
         if top_logprobs is not None and last.logprobs is not None:
             logprobs = [self._token_logprob(token, entry, top_logprobs)
                         for token, entry in zip(last.token_ids[sent_tokens:], last.logprobs[sent_tokens:])]
-        return Delta(index, "".join(o.delta_text for o in outputs), len(last.token_ids), last.finish_reason,
+        return Delta(index, text, len(last.token_ids), last.finish_reason,
                      last.error, logprobs, last.num_cached_tokens)
 
     def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
@@ -193,3 +197,14 @@ async def _each_choice(streams: list[RequestStream]):
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _due(last: RequestOutput, sent_tokens: int | None, stream_interval: int | None) -> bool:
+    """Whether a choice's held outputs go out now. Each Delta is a Ray message to the ingress and, streamed, an HTTP
+    chunk through the proxy, so under load fewer, fuller ones leave the engine's cores more time (vLLM's FINAL_ONLY
+    outputs and --stream-interval). The end and a stream's first token never wait."""
+    if last.finished or last.error:
+        return True
+    if stream_interval is None:
+        return False
+    return sent_tokens is None or len(last.token_ids) - sent_tokens >= stream_interval

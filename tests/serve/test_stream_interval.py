@@ -1,0 +1,61 @@
+"""What a generation costs in messages between the serving processes: a non-streamed choice reaches the ingress as
+one Delta, and a stream with `stream_interval: k` goes out as its first token alone, then chunks of at least k
+tokens. The text is the same whichever way it travels."""
+import json
+
+import httpx
+import pytest
+
+from engine import SamplingParams
+from serve_app.protocol import Admitted, GenerationJob
+from tests.serve.conftest import ingress_only_app
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 23
+CHAT = {"messages": [{"role": "user", "content": "Name some colours."}], "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "logprobs": True, "stream": True}
+
+
+def replica_messages(replica_handle, stream_interval: int | None) -> list:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    job = GenerationJob(f"interval-{stream_interval}", "Colours: red, green,", params, n=2,
+                        stream_interval=stream_interval)
+    return list(replica_handle.options(stream=True).generate.remote(job))
+
+
+def test_a_non_streamed_choice_reaches_the_ingress_as_one_delta_with_the_whole_text(serve_app, replica_handle):
+    admitted, *deltas = replica_messages(replica_handle, None)
+    assert isinstance(admitted, Admitted)
+    assert sorted(d.index for d in deltas) == [0, 1]
+    assert all(d.finish_reason == "length" and d.completion_tokens == MAX_TOKENS for d in deltas)
+    streamed = replica_messages(replica_handle, 1)[1:]
+    assert len(streamed) > 2 * MAX_TOKENS // 2  # one a step, but for the ones coalesced while the reader was behind
+    for whole in deltas:
+        assert "".join(d.text for d in streamed if d.index == whole.index) == whole.text
+
+
+def chunk_tokens(base: str, auth: dict) -> tuple[list[int], str]:
+    """Tokens per SSE chunk that carries any (counted by their logprobs), and the streamed text."""
+    counts, text = [], ""
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=CHAT, headers=auth, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            tokens = len((choice.get("logprobs") or {}).get("content") or [])
+            if tokens:
+                counts.append(tokens)
+                text += choice["delta"].get("content") or ""
+    return counts, text
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_that_many(serve_app, replica_handle, auth):
+    every_token, expected_text = chunk_tokens(serve_app["base_url"], auth)
+    with ingress_only_app(serve_app, replica_handle, "interval4", stream_interval=4) as base:
+        counts, text = chunk_tokens(base, auth)
+    assert text == expected_text
+    assert sum(counts) == sum(every_token) == MAX_TOKENS
+    assert counts[0] == 1  # the first token never waits
+    assert all(count >= 4 for count in counts[1:-1]), counts  # the end goes out whatever is left
+    assert len(counts) <= 1 + -(-(MAX_TOKENS - 1) // 4) < len(every_token)
