@@ -32,6 +32,7 @@ serve: model
 stop:
 	-$(VENV)/bin/serve shutdown -y --address http://127.0.0.1:8265
 	-$(RAY) stop
+	-pkill -f "[s]erve run --address auto serve_app/config.yaml"  # a detached one would keep reconnecting, burning CPU
 
 test: model prometheus
 	$(PY) -m pytest -q -rs --durations=20
