@@ -90,11 +90,14 @@ def http_itl(url: str, api_key: str | None, concurrency: int, tokens: int) -> li
     client = OpenAI(base_url=f"{url}/v1", api_key=api_key or "none")
 
     def one(_) -> list[float]:
+        """Per-token gaps: a chunk of k tokens (a server's stream interval) stands for k gaps of a k-th of its own,
+        each chunk's tokens counted by its logprobs."""
         stream = client.chat.completions.create(model=client.models.list().data[0].id, stream=True, max_tokens=tokens,
                                                 temperature=0, messages=[{"role": "user", "content": PROMPT}],
-                                                extra_body={"ignore_eos": True})
-        stamps = [time.perf_counter() for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
-        return [b - a for a, b in zip(stamps, stamps[1:])]
+                                                logprobs=True, extra_body={"ignore_eos": True})
+        chunks = [(time.perf_counter(), len(chunk.choices[0].logprobs.content)) for chunk in stream
+                  if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content]
+        return [(b - a) / k for (a, _), (b, k) in zip(chunks, chunks[1:]) for _ in range(k)]
 
     with ThreadPoolExecutor(concurrency) as pool:
         return [gap for gaps in pool.map(one, range(concurrency)) for gap in gaps]
