@@ -29,7 +29,8 @@ def test_a_non_streamed_choice_reaches_the_ingress_as_one_delta_with_the_whole_t
     assert sorted(d.index for d in deltas) == [0, 1]
     assert all(d.finish_reason == "length" and d.completion_tokens == MAX_TOKENS for d in deltas)
     streamed = replica_messages(replica_handle, 1)[1:]
-    assert len(streamed) > 2 * MAX_TOKENS // 2  # one a step, but for the ones coalesced while the reader was behind
+    # one a step per choice (2 x MAX_TOKENS), less those coalesced while the reader was behind: over half remain
+    assert len(streamed) > MAX_TOKENS
     for whole in deltas:
         assert "".join(d.text for d in streamed if d.index == whole.index) == whole.text
 
