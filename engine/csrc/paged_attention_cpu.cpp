@@ -155,67 +155,134 @@ static inline void prefetch_row(const void* row) {
 }
 constexpr int64_t kPrefetchRows = 32;  // 16: 33.0 ms, 32: 27.3 ms, 64: 28.4 ms for 30 cold layers
 
-// head_dim a multiple of 16, fixed at compile time: each K and V row is widened once, in registers, and shared by
-// the query heads of its group; scores come 16 keys at a time.
+// How a query group is held, and one key row scored against it, per pool dtype: by default the query is widened to
+// fp32 with the scale folded in, and so is each K row, once, in registers, shared by the group.
+template <typename scalar_t, int64_t kHeadDim>
+struct KeyRowScorer {
+  static constexpr int64_t kVecs = kHeadDim / 16;
+  __m512* qv;
+  int64_t group;
+  float scale_after = 1.f;
+
+  KeyRowScorer(const scalar_t* q_group, int64_t group, float scale, __m512* room) : qv(room), group(group) {
+    for (int64_t i = 0; i < group * kVecs; ++i) qv[i] = _mm512_mul_ps(load16(q_group + i * 16), _mm512_set1_ps(scale));
+  }
+  // partial[g * 16]: head g's 16 lane sums against the row at kp
+  void operator()(const scalar_t* kp, __m512* partial) const {
+    __m512 k[kVecs];
+    for (int64_t i = 0; i < kVecs; ++i) k[i] = load16(kp + i * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 sum = _mm512_mul_ps(qv[g * kVecs], k[0]);
+      for (int64_t i = 1; i < kVecs; ++i) sum = _mm512_fmadd_ps(qv[g * kVecs + i], k[i], sum);
+      partial[g * 16] = sum;
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// A bf16 pool where the CPU has AVX512_BF16: vdpbf16ps multiplies bf16 pairs exactly and sums them in fp32, so K
+// is never widened (half the instructions per key); the scale goes on the summed scores.
+template <>
+struct KeyRowScorer<c10::BFloat16, 64> {
+  __m512bh* qv;  // 2 per head, in the caller's room for 4 widened vectors a head
+  int64_t group;
+  float scale_after;
+
+  KeyRowScorer(const c10::BFloat16* q_group, int64_t group, float scale, __m512* room)
+      : qv(reinterpret_cast<__m512bh*>(room)), group(group), scale_after(scale) {
+    for (int64_t i = 0; i < 2 * group; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q_group + i * 32);
+  }
+  void operator()(const c10::BFloat16* kp, __m512* partial) const {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp), k1 = (__m512bh)_mm512_loadu_si512(kp + 32);
+    for (int64_t g = 0; g < group; ++g)
+      partial[g * 16] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[2 * g], k0), qv[2 * g + 1], k1);
+  }
+};
+#endif
+
+// Scores of a group's query heads, 16 keys at a time, scaled: scores[g * padded + t].
+template <typename scalar_t, int64_t kHeadDim>
+static void key_scores(const scalar_t* q_group, const scalar_t* k_head, BlockWalk rows, int64_t len, int64_t group,
+                       float scale, __m512* q_room, __m512* partial, float* scores, int64_t padded) {
+  constexpr int64_t kRowBytes = kHeadDim * sizeof(scalar_t);
+  const KeyRowScorer<scalar_t, kHeadDim> score(q_group, group, scale, q_room);
+  const __m512 scale_after = _mm512_set1_ps(score.scale_after);
+  BlockWalk ahead = rows;
+  for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row<kRowBytes>(k_head + ahead.next());
+  for (int64_t first = 0; first < len; first += 16) {
+    for (int64_t j = 0; j < 16; ++j) {
+      if (first + j >= len) {
+        for (int64_t g = 0; g < group; ++g) partial[g * 16 + j] = _mm512_setzero_ps();
+        continue;
+      }
+      if (first + j + kPrefetchRows < len) prefetch_row<kRowBytes>(k_head + ahead.next());
+      score(k_head + rows.next(), partial + j);
+    }
+    for (int64_t g = 0; g < group; ++g)
+      _mm512_storeu_ps(scores + g * padded + first, _mm512_mul_ps(scale_after, transpose_reduce16(&partial[g * 16])));
+  }
+}
+
+// out[g] = sum over t of scores[g * padded + t] * V[t], for kChunk query heads at once: the accumulators stay in
+// registers (a loop over a run-time group kept them in memory, one store-to-load chain per key).
+template <typename scalar_t, int64_t kHeadDim, int kChunk>
+static void weighted_values(const scalar_t* v_head, BlockWalk rows, int64_t len, const float* scores, int64_t padded,
+                            scalar_t* out) {
+  constexpr int64_t kVecs = kHeadDim / 16, kRowBytes = kHeadDim * sizeof(scalar_t);
+  __m512 acc[kChunk][kVecs];
+  for (int g = 0; g < kChunk; ++g)
+    for (int64_t i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
+  BlockWalk ahead = rows;
+  for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row<kRowBytes>(v_head + ahead.next());
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchRows < len) prefetch_row<kRowBytes>(v_head + ahead.next());
+    const scalar_t* vp = v_head + rows.next();
+    __m512 v[kVecs];
+    for (int64_t i = 0; i < kVecs; ++i) v[i] = load16(vp + i * 16);
+    for (int g = 0; g < kChunk; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+      for (int64_t i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int g = 0; g < kChunk; ++g)
+    for (int64_t i = 0; i < kVecs; ++i) {
+      _mm512_store_ps(lanes, acc[g][i]);
+      for (int64_t d = 0; d < 16; ++d) out[g * kHeadDim + i * 16 + d] = static_cast<scalar_t>(lanes[d]);
+    }
+}
+
+// head_dim a multiple of 16, fixed at compile time. One task is one sequence's KV head: scores of its query-head
+// group, softmax, then the weighted values, in chunks of query heads whose accumulators fit the 32 registers.
 template <typename scalar_t, int64_t kHeadDim>
 static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
                           const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
   constexpr int64_t kVecs = kHeadDim / 16;
+  constexpr int kMaxChunk = kVecs <= 5 ? 4 : 2;
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = num_blocks * block_size * kHeadDim;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qv(group * kVecs), acc(group * kVecs), partial(group * 16);
+    std::vector<__m512> qv(group * kVecs), partial(group * 16);
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kvh = task % kv_heads, len = context_lens[b];
-      const int64_t* table = block_tables + b * max_blocks;
-      const scalar_t* q_group = q + (b * heads + kvh * group) * kHeadDim;
-      for (int64_t i = 0; i < group * kVecs; ++i) qv[i] = _mm512_mul_ps(load16(q_group + i * 16), _mm512_set1_ps(scale));
-      const int64_t padded = (len + 15) / 16 * 16;
+      const BlockWalk rows(block_tables + b * max_blocks, block_size, kHeadDim);
+      const int64_t padded = (len + 15) / 16 * 16, first_head = b * heads + kvh * group;
       scores.resize(group * padded);
-      const scalar_t* k_head = k_cache + kvh * head_stride;
-      const scalar_t* v_head = v_cache + kvh * head_stride;
-      constexpr int64_t kRowBytes = kHeadDim * sizeof(scalar_t);
-      BlockWalk k_rows(table, block_size, kHeadDim), k_ahead = k_rows;  // no division per key: walks step through the table
-      for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row<kRowBytes>(k_head + k_ahead.next());
-      for (int64_t first = 0; first < len; first += 16) {
-        for (int64_t j = 0; j < 16; ++j) {
-          if (first + j >= len) {
-            for (int64_t g = 0; g < group; ++g) partial[g * 16 + j] = _mm512_setzero_ps();
-            continue;
-          }
-          if (first + j + kPrefetchRows < len) prefetch_row<kRowBytes>(k_head + k_ahead.next());
-          const scalar_t* kp = k_head + k_rows.next();
-          __m512 k[kVecs];
-          for (int64_t i = 0; i < kVecs; ++i) k[i] = load16(kp + i * 16);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 sum = _mm512_mul_ps(qv[g * kVecs], k[0]);
-            for (int64_t i = 1; i < kVecs; ++i) sum = _mm512_fmadd_ps(qv[g * kVecs + i], k[i], sum);
-            partial[g * 16 + j] = sum;
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(scores.data() + g * padded + first, transpose_reduce16(&partial[g * 16]));
-      }
-      BlockWalk v_rows(table, block_size, kHeadDim), v_ahead = v_rows;
-      for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row<kRowBytes>(v_head + v_ahead.next());
+      key_scores<scalar_t, kHeadDim>(q + first_head * kHeadDim, k_cache + kvh * head_stride, rows, len, group, scale,
+                                     qv.data(), partial.data(), scores.data(), padded);
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * padded, len);
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetchRows < len) prefetch_row<kRowBytes>(v_head + v_ahead.next());
-        const scalar_t* vp = v_head + v_rows.next();
-        __m512 v[kVecs];
-        for (int64_t i = 0; i < kVecs; ++i) v[i] = load16(vp + i * 16);
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-          for (int64_t i = 0; i < kVecs; ++i) acc[g * kVecs + i] = _mm512_fmadd_ps(p, v[i], acc[g * kVecs + i]);
+      const scalar_t* v_head = v_cache + kvh * head_stride;
+      for (int64_t g = 0; g < group; g += kMaxChunk) {
+        const float* s = scores.data() + g * padded;
+        scalar_t* o = out + (first_head + g) * kHeadDim;
+        switch (std::min<int64_t>(kMaxChunk, group - g)) {
+          case 1: weighted_values<scalar_t, kHeadDim, 1>(v_head, rows, len, s, padded, o); break;
+          case 2: weighted_values<scalar_t, kHeadDim, 2>(v_head, rows, len, s, padded, o); break;
+          case 3: weighted_values<scalar_t, kHeadDim, 3>(v_head, rows, len, s, padded, o); break;
+          default: weighted_values<scalar_t, kHeadDim, 4>(v_head, rows, len, s, padded, o); break;
         }
-      }
-      scalar_t* o = out + (b * heads + kvh * group) * kHeadDim;
-      alignas(64) float lanes[16];
-      for (int64_t i = 0; i < group * kVecs; ++i) {
-        _mm512_store_ps(lanes, acc[i]);
-        for (int64_t d = 0; d < 16; ++d) o[i * 16 + d] = static_cast<scalar_t>(lanes[d]);
       }
     }
   });

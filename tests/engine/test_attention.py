@@ -89,3 +89,18 @@ def test_decode_at_other_block_sizes_and_head_groups(decode_fn, block_size, head
         v = v_cache[:, tables[b]].reshape(kv_heads, -1, 64)[:, :n]
         want = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, enable_gqa=True)[:, 0]
         torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_decode_with_a_large_head_group(decode_fn):
+    """32 query heads on one KV head (multi-query attention), bf16: the AVX512_BF16 key scoring keeps every head's query."""
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(1, 32, BLOCK, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([3, 40, 200])
+    tables = torch.stack([torch.randperm(32, generator=g)[:13] for _ in lens])
+    q = torch.randn(len(lens), 32, 64, generator=g).to(torch.bfloat16)
+    got = decode_fn(q, k_cache, v_cache, tables, lens).float()
+    for b, n in enumerate(lens.tolist()):
+        k = k_cache[:, tables[b]].reshape(1, -1, 64)[:, :n].float()
+        v = v_cache[:, tables[b]].reshape(1, -1, 64)[:, :n].float()
+        want = F.scaled_dot_product_attention(q[b].unsqueeze(1).float(), k, v, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(got[b], want, atol=3e-2, rtol=3e-2)
