@@ -22,11 +22,11 @@ model: $(STAMP)
 	@$(PY) -c "from engine.models import embedded_checkpoint; print('model:', embedded_checkpoint())"
 
 RAY := $(VENV)/bin/ray
-# Ray starts its workers at nice 15, so on a small box a load generator or shell at nice 0 starves the engine
-# (measured: 2,720 vs 7,720 req/h under Locust, BENCHMARKS.md); serving replicas are the workload here: nice 0.
+# Ray's processes start with serve_app/ray_env.py's environment (workers at nice 0); THROUGHPUT=1 adds Ray Serve's
+# high-throughput mode (HAProxy in place of the Python proxy, gRPC between deployments), on a Ray started here.
 serve: model
 	@$(RAY) status --address 127.0.0.1:6379 >/dev/null 2>&1 || \
-		RAY_worker_niceness=0 $(RAY) start --head --node-ip-address=127.0.0.1 --metrics-export-port=8080 --disable-usage-stats
+		env $$($(PY) -m serve_app.ray_env $(if $(THROUGHPUT),--throughput)) $(RAY) start --head --node-ip-address=127.0.0.1 --metrics-export-port=8080 --disable-usage-stats
 	$(VENV)/bin/serve run --address auto serve_app/config.yaml
 
 stop:

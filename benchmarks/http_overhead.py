@@ -60,8 +60,10 @@ async def over_http(requests, concurrency: int, engine_args: dict, engine_proces
     from ray import serve
 
     from serve_app.app import build_app
+    from serve_app.ray_env import ray_env
 
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as make serve: Ray's default nice 15 starves the replica
+    for name, value in ray_env().items():  # as make serve
+        os.environ.setdefault(name, value)
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8011})

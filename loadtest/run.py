@@ -23,6 +23,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from loadtest.report import plot_run, plot_sweep, summarize
+from serve_app.ray_env import ray_env
 
 app = typer.Typer(add_completion=False)
 console = Console()
@@ -64,14 +65,15 @@ def load_records(path: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def embedded_app(port: int = 8000):
-    """Ray on loopback with a fixed metrics port (as `make serve`), then the embedded app; torn down afterwards."""
+def embedded_app(port: int = 8000, throughput: bool = False):
+    """Ray on loopback with a fixed metrics port (as `make serve`), then the embedded app; torn down afterwards.
+    throughput: Ray Serve's high-throughput mode (serve_app/ray_env.py), on a Ray started here."""
     ray, serve = str(BIN / "ray"), str(BIN / "serve")
     started_ray = subprocess.run([ray, "status", "--address", "127.0.0.1:6379"], capture_output=True).returncode != 0
     if started_ray:
         subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--metrics-export-port=8080",
                         "--disable-usage-stats"], check=True, capture_output=True,
-                       env={**os.environ, "RAY_worker_niceness": "0"})  # as make serve: nice 15 starves the replica
+                       env={**os.environ, **ray_env(throughput)})  # as make serve
     proc = subprocess.Popen([serve, "run", "--address", "auto", "serve_app/config.yaml"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -133,13 +135,14 @@ def main(
     model: str = typer.Option("", help="model field to send (vLLM needs it)"),
     prometheus: str = typer.Option("http://127.0.0.1:9090", help="if reachable, server-side plots come from it"),
     label: str = typer.Option("engine", help="name of this server in tables and files"),
+    throughput_mode: bool = typer.Option(False, help="the embedded app in Ray Serve's high-throughput mode (HAProxy, gRPC)"),
     out_dir: Path = Path("loadtest/reports"),
 ):
     out = out_dir / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if not url:
-            url = stack.enter_context(embedded_app())
+            url = stack.enter_context(embedded_app(throughput=throughput_mode))
         common = dict(max_tokens=max_tokens, stream_share=stream_share, api_key=api_key, model=model)
         if sweep:
             passed = run_sweep(url, out, label, [float(r) for r in rates.split(",")], arrival, duration, warmup,

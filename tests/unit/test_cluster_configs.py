@@ -1,5 +1,6 @@
 """Cluster configs: the launcher YAMLs pass Ray's own validator; the KubeRay manifest carries config.gpu.yaml exactly."""
 import copy
+import re
 from pathlib import Path
 
 import jsonschema
@@ -7,6 +8,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
+
+from serve_app.ray_env import RAY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ["cluster/aws-gpu.yaml", "cluster/gcp-gpu.yaml"]
@@ -92,3 +95,20 @@ def test_kuberay_takes_the_api_key_from_a_secret_and_fences_the_dashboard():
     assert policy["podSelector"]["matchLabels"]["ray.io/node-type"] == "head"
     (dashboard_rule,) = [r for r in policy["ingress"] if {"port": 8265} in r.get("ports", [])]
     assert dashboard_rule["from"] and all("namespaceSelector" in f for f in dashboard_rule["from"])
+
+
+@pytest.mark.parametrize("path", LAUNCHERS)
+def test_launcher_starts_ray_with_the_apps_ray_env(path):
+    config = load(path)
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        (start,) = [c for c in commands if "ray start" in c]
+        exported = dict(re.findall(r"\b(RAY_\w+)=(\S+)", start.split("ray start")[0]))
+        assert exported == RAY_ENV, "the launcher's ray start drifted from serve_app/ray_env.py"
+
+
+def test_kuberay_containers_carry_the_apps_ray_env():
+    spec = kuberay_documents()["RayService"]["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert {name: env.get(name) for name in RAY_ENV} == RAY_ENV, "a KubeRay container drifted from serve_app/ray_env.py"

@@ -64,3 +64,19 @@ def test_serving_defaults_bound_the_queue_and_max_tokens_under_any_engine_settin
     assert AppArgs(engine={"max_waiting": 5}).engine.max_waiting == 5
     with pytest.raises(ValueError):
         AppArgs(max_num_seqs=8)  # engine knobs live under `engine`, never copied onto AppArgs
+
+
+def test_ray_env_cli_adds_the_throughput_mode_only_when_asked():
+    """`make serve` starts Ray with `env $(python -m serve_app.ray_env [--throughput])`."""
+    import subprocess
+    import sys
+
+    from serve_app.ray_env import RAY_ENV, THROUGHPUT_ENV
+
+    def words(*args):
+        out = subprocess.run([sys.executable, "-m", "serve_app.ray_env", *args], capture_output=True, text=True, check=True)
+        return dict(word.split("=", 1) for word in out.stdout.split())
+
+    assert words() == RAY_ENV and not THROUGHPUT_ENV.keys() & RAY_ENV.keys()
+    assert words("--throughput") == {**RAY_ENV, **THROUGHPUT_ENV}
+    assert THROUGHPUT_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
