@@ -60,10 +60,9 @@ async def over_http(requests, concurrency: int, engine_args: dict, engine_proces
     from ray import serve
 
     from serve_app.app import build_app
-    from serve_app.ray_env import ray_env
+    from serve_app.ray_env import setdefault_ray_env
 
-    for name, value in ray_env().items():  # as make serve
-        os.environ.setdefault(name, value)
+    setdefault_ray_env()  # as make serve
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8011})

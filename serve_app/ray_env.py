@@ -6,6 +6,7 @@ belong to Ray's environment, not to the Serve config.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 RAY_ENV = {
@@ -24,6 +25,12 @@ THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PR
 
 def ray_env(throughput: bool = False) -> dict[str, str]:
     return {**RAY_ENV, **(THROUGHPUT_ENV if throughput else {})}
+
+
+def setdefault_ray_env(throughput: bool = False) -> None:
+    """For a `ray.init` in this process, whose Ray processes inherit its environment; what is already set wins."""
+    for name, value in ray_env(throughput).items():
+        os.environ.setdefault(name, value)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,12 @@ def serve_app():
     from ray import serve
 
     from serve_app.app import build_app
-    from serve_app.ray_env import ray_env
+    from serve_app.ray_env import setdefault_ray_env
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # as `make serve`: workers at nice 0 (at Ray's 15, on a slow 2-core AVX2 box the Locust smoke completed 6
     # requests in 20 s instead of dozens)
-    for name, value in ray_env().items():
-        os.environ.setdefault(name, value)
+    setdefault_ray_env()
     metrics_port = free_port()
     # metrics every second instead of Ray's 10 s, so the Prometheus test does not wait on export
     # address="local": a cluster of the tests' own, even where `make serve` already runs one
