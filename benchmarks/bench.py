@@ -26,6 +26,7 @@ from engine import LLM, SamplingParams, StructuredOutput
 from engine.config import DEFAULT_MODEL
 from engine.metrics import PrometheusSink, StepMetrics
 from engine.models import resolve_model_path
+from core_env import restart_as_served  # the sibling script
 from workload import WORKLOADS, Request  # the sibling script
 
 app = typer.Typer(add_completion=False)
@@ -199,4 +200,5 @@ def report(results: dict[str, dict], requests: list[Request], settings: dict, ou
 
 
 if __name__ == "__main__":
+    restart_as_served()
     app()

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
+from core_env import restart_as_served  # the sibling script
 from loadtest.prompts import load_prompts
 from serve_app.config import AppArgs
 
@@ -86,4 +87,5 @@ def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/con
 
 
 if __name__ == "__main__":
+    restart_as_served()
     cli()

@@ -24,6 +24,7 @@ from bench import cpu_flags  # the sibling script
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.layers.linear import Linear
+from core_env import restart_as_served  # the sibling script
 
 cli = typer.Typer(add_completion=False)
 console = Console(width=150)
@@ -207,4 +208,5 @@ def plot(rows: list[dict], path: Path, threads: int) -> None:
 
 
 if __name__ == "__main__":
+    restart_as_served()
     cli()

@@ -24,6 +24,7 @@ import engine.models.hf
 import engine.models.llama
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
+from core_env import restart_as_served  # the sibling script
 
 cli = typer.Typer(add_completion=False)
 PHASES = ["linear", "attention", "other model ops", "sampler", "detokenizer", "scheduler", "rest of step"]
@@ -110,4 +111,5 @@ def main(impls: str = "native,hf", dtype: str = "bfloat16", threads: int = 2, ba
 
 
 if __name__ == "__main__":
+    restart_as_served()
     cli()

@@ -7,6 +7,7 @@ callers see no difference. The child dies with this process (its stdin is our pi
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from engine.config import EngineConfig
 from engine.core_messages import (CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest,
                                   FromCore)
 from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
+from engine.host_memory import with_huge_page_heap
 from engine.input_processor import InputProcessor
 from engine.metrics import MetricsSink, StepMetrics, replay
 from engine.models import load_tokenizer
@@ -71,7 +73,8 @@ class ProcessCore:
         self._metrics_sink: MetricsSink | None = None
         self._closing = False
         self.dead_reason: str | None = None
-        self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process"], stdin=subprocess.PIPE)
+        self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process"], stdin=subprocess.PIPE,
+                                        env=with_huge_page_heap(os.environ))
         setup = CoreSetup(config.model_dump_json(), f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
         self.process.stdin.write(msgspec.json.encode(setup) + b"\n")
         self.process.stdin.flush()

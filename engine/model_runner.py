@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from engine.host_memory import ask_huge_pages
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from engine.models import Model
 from engine.scheduler import ScheduledBatch
@@ -71,7 +72,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         layers, kv_heads, head_dim = kv_geometry(self.model.config)
         shape = (layers, 2, kv_heads, num_blocks, self.block_size, head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        ask_huge_pages(pool)  # before the zeros touch it: decode attention reads blocks scattered over all of it
+        return pool.zero_()
 
     @property
     def num_blocks(self) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import AsyncLLMEngine, EngineDeadError, SamplingParams
+from engine.host_memory import HEAP_ON_HUGE_PAGES
 from engine.metrics import PrometheusSink, StepMetrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -137,3 +138,9 @@ async def test_ten_starts_and_stops_leave_no_process_socket_or_block_behind():
     assert children_of(os.getpid()) == before_children
     assert len(os.listdir("/proc/self/fd")) <= before_fds + 2  # pytest's own files may come and go
     assert socket_dirs() == before_dirs, "a socket directory was left behind"
+
+
+async def test_the_core_process_starts_with_its_heap_on_huge_pages(core):
+    environ = Path(f"/proc/{core.stats()['core_pid']}/environ").read_bytes().split(b"\0")
+    tunables = next(v for v in environ if v.startswith(b"GLIBC_TUNABLES=")).split(b"=", 1)[1].decode()
+    assert HEAP_ON_HUGE_PAGES in tunables.split(":")
