@@ -1,19 +1,30 @@
-// Every decoder layer of a Llama-family model for a batch of single-token decodes, in one native call: at one or
-// two rows on GGUF blocks, the Python between the kernels (about ten calls, views and attribute reads a layer) cost
-// as much as a third of the step. The kernels and their order are exactly those of engine/models/llama.py, so
-// both paths give the same numbers; only the dispatch moves.
+// Every decoder layer of a Llama-family model for a batch of single-token decodes, in one native call: the Python
+// between the kernels (about ten calls, views and attribute reads a layer) cost as much as a third of a step at one
+// or two rows on GGUF blocks, and about a tenth at 48 rows on oneDNN-packed dense weights. The kernels and their
+// order are exactly those of engine/models/llama.py, so both paths give the same numbers; only the dispatch moves.
 
 namespace {
 
-// A linear's GGUF blocks and bias, as 4 tensors of the flat weight list; an empty tensor stands for "none"
-// (mins: a Q8_0 matrix; bias: no bias).
-struct BlockLinear {
-  const torch::Tensor &codes, &scales, &mins, &bias;
+// oneDNN's packed linear, the op engine/layers/linear.py's packed_matmul calls, with the same arguments.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<c10::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
-  // As engine/layers/quantized.py's block_matmul: fp32 in and out of the kernel, the bias added in fp32.
+// A linear as 4 tensors of the flat weight list: its GGUF blocks (codes, scales, mins) and bias, or its
+// oneDNN-packed weight, two empty tensors and its bias. An empty tensor stands for "none" (mins: a Q8_0 matrix;
+// bias: no bias).
+struct LayerLinear {
+  const torch::Tensor &codes_or_packed, &scales, &mins, &bias;
+
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (!scales.numel()) return packed_linear(x, codes_or_packed, bias);
+    // As engine/layers/quantized.py's block_matmul: fp32 in and out of the kernel, the bias added in fp32.
     const auto x32 = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
-    auto y = matmul_blocks(x32, codes, scales, mins);
+    auto y = matmul_blocks(x32, codes_or_packed, scales, mins);
     if (bias.numel()) y.add_(bias);
     return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
   }
@@ -39,8 +50,8 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   c10::optional<torch::Tensor> residual;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + l * kWeightsPerLayer;
-    const BlockLinear qkv_proj{w[1], w[2], w[3], w[4]}, o_proj{w[5], w[6], w[7], w[8]};
-    const BlockLinear gate_up_proj{w[10], w[11], w[12], w[13]}, down_proj{w[14], w[15], w[16], w[17]};
+    const LayerLinear qkv_proj{w[1], w[2], w[3], w[4]}, o_proj{w[5], w[6], w[7], w[8]};
+    const LayerLinear gate_up_proj{w[10], w[11], w[12], w[13]}, down_proj{w[14], w[15], w[16], w[17]};
     const auto& k_cache = kv_caches[2 * l];
     const auto& v_cache = kv_caches[2 * l + 1];
 

@@ -86,16 +86,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused = None
-        self.native_weights: list[torch.Tensor] | None = None  # set by `use_native_decode`
+        self.native_weights: list[torch.Tensor] | None = None  # on GGUF blocks; set by `use_native_decode`
+        self.native_dense_weights: list[torch.Tensor] | None = None  # on oneDNN-packed weights
         attention = self.layers[0].self_attn
         self.shape = (attention.heads, attention.kv_heads, attention.head_dim, cfg.rms_norm_eps, attention.scaling)
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.decodes_natively(hidden.shape[0], meta):
+        if (weights := self.native_decode_weights(hidden.shape[0], meta)) is not None:
             decode = meta.decode
             hidden, residual = self.fused.decode_layers(
-                hidden, self.native_weights, [t for pair in meta.kv_layers for t in pair], positions, self.rotary.cos,
+                hidden, weights, [t for pair in meta.kv_layers for t in pair], positions, self.rotary.cos,
                 self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape)
             return self.norm(hidden, residual)[0]
         return self.layers_forward(hidden, positions, meta)
@@ -110,21 +111,26 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def use_native_decode(self, enabled: bool) -> bool:
-        """Run all layers of a small decode step as one C++ call (`engine/csrc/decoder_cpu.cpp`): the same kernels
-        in the same order as the layers below, without about ten Python calls a layer. Possible on CPU with the
-        fused ops, when every linear of the layers holds GGUF blocks. -> whether it is on."""
+        """Run all layers of a decode step as one C++ call (`engine/csrc/decoder_cpu.cpp`): the same kernels in the
+        same order as the layers below, without about ten Python calls a layer. Possible on CPU with the fused ops,
+        on GGUF blocks where every linear holds them, on packed dense weights where every linear has them.
+        -> whether it is on."""
         linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
-        possible = self.fused is not None and all(m.blocks is not None for m in linears)
-        self.native_weights = [t for layer in self.layers for t in _native_weights(layer)] if enabled and possible else None
-        return self.native_weights is not None
+        on = enabled and self.fused is not None
+        self.native_weights = _all_layers(self.layers, _block_weights) if on and all(m.blocks is not None for m in linears) else None
+        self.native_dense_weights = _all_layers(self.layers, _packed_weights) if on and all(m.packed is not None for m in linears) else None
+        return self.native_weights is not None or self.native_dense_weights is not None
 
-    def decodes_natively(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Decodes only, few enough rows that every linear reads its blocks, and the C++ attention and KV write."""
+    def native_decode_weights(self, num_tokens: int, meta: AttentionMetadata) -> list[torch.Tensor] | None:
+        """The weights for one native call over all layers, or None (layer by layer): decodes only, with the C++
+        attention and KV write; on the blocks up to their crossover, as the layers read them, past it dense."""
         decode = meta.decode
-        return (self.native_weights is not None and not meta.prefills and decode is not None
-                and decode.kernel is not None and meta.write_kv is not None
-                and num_tokens <= self.layers[0].mlp.down_proj.block_rows
-                and meta.kv_layers[0][0].dtype == self.embed_tokens.weight.dtype)
+        if (meta.prefills or decode is None or decode.kernel is None or meta.write_kv is None
+                or meta.kv_layers[0][0].dtype != self.embed_tokens.weight.dtype):
+            return None
+        if self.native_weights is not None and num_tokens <= self.layers[0].mlp.down_proj.block_rows:
+            return self.native_weights
+        return self.native_dense_weights
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         """Flat [T] token ids and positions -> logits [len(logits_indices), vocab]."""
-        if self.compiled is not None and not self.model.decodes_natively(input_ids.shape[0], meta):
+        if self.compiled is not None and self.model.native_decode_weights(input_ids.shape[0], meta) is None:
             return self.compiled(input_ids, positions, meta, logits_indices)
         return self.lm_head(self.model(input_ids, positions, meta), logits_indices)
 
@@ -200,8 +206,8 @@ class LlamaForCausalLM(nn.Module):
                 module.block_rows = rows
 
     def use_fused_ops(self, fused) -> None:
-        """Run norms, rotary and SiLU-and-mul as one C++ call each (`engine.cpu_kernels.fused_ops()`), and small
-        decode steps on GGUF blocks as one call for all layers; None: torch ops."""
+        """Run norms, rotary and SiLU-and-mul as one C++ call each (`engine.cpu_kernels.fused_ops()`), and
+        decode steps as one call for all layers; None: torch ops."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, LlamaModel)):
                 module.fused = fused
@@ -218,18 +224,27 @@ class LlamaForCausalLM(nn.Module):
         return linear + other
 
 
-def _native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
-    """One layer's weights in the order `decode_layers` reads them; an empty tensor stands for an absent Q4 min
-    (a Q8_0 matrix) or bias."""
-    none = torch.empty(0)
-    attention, mlp = layer.self_attn, layer.mlp
+def _all_layers(layers: nn.ModuleList, linear_weights) -> list[torch.Tensor]:
+    """Every layer's weights in the order `decode_layers` reads them: norm, q/k/v, o, norm, gate/up, down, each
+    linear as the 4 tensors `linear_weights` gives."""
+    weights = []
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        weights += [layer.input_layernorm.weight, *linear_weights(attention.qkv_proj), *linear_weights(attention.o_proj),
+                    layer.post_attention_layernorm.weight, *linear_weights(mlp.gate_up_proj), *linear_weights(mlp.down_proj)]
+    return weights
 
-    def linear(m: Linear) -> list[torch.Tensor]:
-        b = m.blocks
-        return [b.codes, b.scales, b.mins, none if m.bias is None else m.bias]
 
-    return [layer.input_layernorm.weight, *linear(attention.qkv_proj), *linear(attention.o_proj),
-            layer.post_attention_layernorm.weight, *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]
+_NONE = torch.empty(0)  # stands for an absent Q4 min (a Q8_0 matrix), bias, or the blocks' scales of a dense linear
+
+
+def _block_weights(m: Linear) -> list[torch.Tensor]:
+    b = m.blocks
+    return [b.codes, b.scales, b.mins, _NONE if m.bias is None else m.bias]
+
+
+def _packed_weights(m: Linear) -> list[torch.Tensor]:
+    return [m.packed, _NONE, _NONE, _NONE if m.bias is None else m.bias]
 
 
 def _is_linear_param(model: nn.Module, name: str) -> bool:

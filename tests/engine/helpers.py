@@ -56,3 +56,18 @@ def hf_verdicts(hf_model, prompt_ids: tuple[int, ...], output_ids: tuple[int, ..
 def assert_varied(outputs) -> None:
     mean_distinct = sum(len(set(o.token_ids)) for o in outputs) / len(outputs)
     assert mean_distinct >= MIN_DISTINCT_TOKENS, f"outputs repeat themselves ({mean_distinct:.1f} distinct tokens each)"
+
+
+def count_native_steps(native_model, monkeypatch, on) -> list[bool]:
+    """Record, for every forward of `native_model` (the native LlamaModel), whether `on(weights)` holds for the
+    weights it decodes all layers with in one native call (None: layer by layer)."""
+    steps: list[bool] = []
+    weights_for = native_model.native_decode_weights
+
+    def counted(*args):
+        weights = weights_for(*args)
+        steps.append(weights is not None and on(weights))
+        return weights
+
+    monkeypatch.setattr(native_model, "native_decode_weights", counted)
+    return steps

@@ -5,7 +5,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.layers.linear import Linear
-from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
+from tests.engine.helpers import assert_matches_hf, assert_varied, count_native_steps, load_hf_model
 from tests.engine.test_parity import varied_prompts
 
 pytestmark = pytest.mark.slow
@@ -56,15 +56,13 @@ def test_the_served_mix_of_blocks_and_dense_agrees_with_the_dense_fp32_path(llm3
 def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, tokenizer, monkeypatch, dtype):
     """`engine/csrc/decoder_cpu.cpp` runs the same kernels in the same order as the Python layers: the same tokens
     and the same logprobs, bit for bit, at 1 to 4 rows a step (prefill steps stay layer by layer)."""
-    assert llm32.engine.model.model.native_weights is None  # dense weights: never
+    assert llm32.engine.model.model.native_weights is None  # dense weights: no blocks
     llm = LLM(dtype=dtype, quantization="gguf", num_kv_blocks=256, enable_prefix_caching=False)  # same prefill shapes twice
     for module in block_linears(llm):
         module.block_rows = 4  # not the crossover measured at load, which a busy machine can put at 0
     inner = llm.engine.model.model
     assert inner.native_weights is not None
-    native_steps = []
-    decodes_natively = inner.decodes_natively
-    monkeypatch.setattr(inner, "decodes_natively", lambda *args: native_steps.append(decodes_natively(*args)) or native_steps[-1])
+    native_steps = count_native_steps(inner, monkeypatch, on=lambda weights: weights is inner.native_weights)
     prompts = varied_prompts(tokenizer)[:4]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
     native = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
