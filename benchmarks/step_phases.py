@@ -4,6 +4,8 @@ the rest of the step, at a steady decode batch, for each model implementation in
 Each phase is timed by wrapping its function with a clock (no profiler: its per-op overhead would swamp the small
 ops this is meant to show). python benchmarks/step_phases.py --batch 64 --context 200 --impls native,hf,gguf
 An impl ending in `+compile` runs `compile: true`; its layers are one graph, so only its model total is split out.
+A decode step runs every layer in one native call where it can (`LlamaModel.use_native_decode`): that call is its
+own phase, since its linears and attention run in C++; an impl ending in `+layered` turns it off, to split them.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from engine.config import EngineConfig
 from core_env import restart_as_served  # the sibling script
 
 cli = typer.Typer(add_completion=False)
-PHASES = ["linear", "attention", "other model ops", "sampler", "detokenizer", "scheduler", "rest of step"]
+PHASES = ["linear", "attention", "one-call layers", "other model ops", "sampler", "detokenizer", "scheduler", "rest of step"]
 
 
 class PhaseClock:
@@ -56,6 +58,9 @@ def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
         targets += [(torch.nn.Linear, "forward", "linear"), (engine.layers.linear.Linear, "forward", "linear"),
                     (engine.models.llama, "paged_attention", "attention"),
                     (engine.models.hf, "paged_attention", "attention")]
+        fused = getattr(llm_engine.model.model, "fused", None)  # the native model's C++ ops; the HF model has none
+        if fused is not None:
+            targets.append((fused, "decode_layers", "one-call layers"))
     originals = [(owner, name, clock.wrap(owner, name, phase)) for owner, name, phase in targets]
     try:
         yield
@@ -65,11 +70,14 @@ def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
 
 
 def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) -> LLMEngine:
-    """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks), each + "+compile" or not."""
+    """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks), then "+compile" or "+layered"."""
+    layered, impl = impl.endswith("+layered"), impl.removesuffix("+layered")
     impl, compiled = impl.removesuffix("+compile"), impl.endswith("+compile")
     weights = {"model_impl": "native", "quantization": "gguf"} if impl == "gguf" else {"model_impl": impl}
     llm_engine = LLMEngine(EngineConfig(**weights, compile=compiled, dtype=dtype, num_threads=threads, max_num_seqs=batch,
                                         max_num_batched_tokens=2048, num_kv_blocks=batch * (context // 16 + 8)))
+    if layered:
+        llm_engine.model.model.use_native_decode(False)
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         llm_engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(context)], params)
@@ -90,7 +98,8 @@ def measure(impl: str, dtype: str, threads: int, batch: int, context: int, steps
             total = time.perf_counter() - start
         s = clock.seconds
         per_step.append({"step": total, "linear": s["linear"], "attention": s["attention"],
-                         "other model ops": s["model"] - s["linear"] - s["attention"], "sampler": s["sampler"],
+                         "one-call layers": s["one-call layers"],
+                         "other model ops": s["model"] - s["linear"] - s["attention"] - s["one-call layers"], "sampler": s["sampler"],
                          "detokenizer": s["detokenizer"], "scheduler": s["scheduler"],
                          "rest of step": total - s["model"] - s["sampler"] - s["detokenizer"] - s["scheduler"]})
     return {key: statistics.median(step[key] for step in per_step) * 1e3 for key in per_step[0]}

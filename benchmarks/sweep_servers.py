@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import torch  # noqa: E402
 
+from engine.host_memory import with_huge_page_heap  # noqa: E402
 from engine.models import embedded_checkpoint  # noqa: E402
 from engine.models.loader import resolve_dtype  # noqa: E402
 from loadtest.run import wait_healthy  # noqa: E402
@@ -34,8 +35,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def servers(peers_python: Path, dtype: str) -> dict[str, dict]:
     ckpt = str(embedded_checkpoint())
-    vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1"}
+    # vLLM gets the heap on huge pages that the engine's core has (engine/core_client.py), as in make bench-peers
+    vllm_env = with_huge_page_heap({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1"})
     return {
         "engine (Ray Serve)": {"url": "http://127.0.0.1:8000", "start": None},  # make serve, started by the caller
         "HF static (FastAPI)": {"url": "http://127.0.0.1:8001",
