@@ -18,17 +18,17 @@ from engine.host_memory import keep_freed_memory
 from engine.input_processor import InputProcessor, Prompt
 from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
-from engine.model_runner import ModelRunner, PromptLogits, StepLogits
+from engine.model_runner import ModelRunner, StepLogits
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.output_processor import OutputProcessor
-from engine.sampler import INVALID_TOKEN, Sampler
+from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
 from engine.speculative import COUNTERS as SPEC_COUNTERS
 from engine.speculative import Speculator, accepted_length
+from engine.step_sampler import StepSampler
 from engine.step_stats import GcPauses, PhaseTimer, stats_of
-from engine.structured_output import allowed_tokens
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class LLMEngine:
         self.inputs = InputProcessor(config, self.tokenizer, self.limits)
         self.grammars = self.inputs.grammars  # one compile cache: the front end validates, the core copies matchers
         self.outputs = OutputProcessor(self.detokenizer_tokenizer, self.eos_token_ids, self.max_model_len, self.device)
-        self.sampler = Sampler()
+        self.sampler = StepSampler(self.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self._inbox_lock = threading.Lock()
         self._new_seqs: list[Sequence] = []
@@ -237,10 +237,10 @@ class LLMEngine:
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         step = self.runner.execute(batch)
         for part in step.prompt:
-            self._record_prompt_logprobs(part)
+            self.sampler.record_prompt_logprobs(part)
         drafts = {seq.request_id: d for seq, d in zip(batch.seqs, batch.draft_token_ids) if d}
         with self.phases("sample"):
-            tokens, logprobs = self._sample(step, drafts)
+            tokens, logprobs = self.sampler(step, drafts)
         with self.phases("output"):
             return self._commit(batch, step, drafts, tokens, logprobs)
 
@@ -267,26 +267,6 @@ class LLMEngine:
                 self.scheduler.release_rejected(seq)
         return outputs
 
-    def _sample(self, step: StepLogits, drafts: dict[str, list[int]]) -> tuple[list[int], list]:
-        """One token per logits row; a sequence with drafts has a row for each draft and one for the bonus token."""
-        def per_row(values: list) -> list:  # one value per sequence, repeated for each of its rows
-            return [value for value, rows in zip(values, step.rows) for _ in range(rows)]
-
-        seqs = step.seqs
-        params = per_row([seq.params for seq in seqs])
-        return self.sampler(
-            step.logits,
-            params,
-            per_row([seq.runtime.generator for seq in seqs]),
-            per_row([seq.output_token_ids for seq in seqs]),
-            prompt_token_ids=per_row([seq.prompt_token_ids for seq in seqs]) if any(
-                p.repetition_penalty != 1.0 for p in params) else None,
-            banned_token_ids=per_row([self._not_yet_allowed(seq) for seq in seqs]),
-            allowed=allowed_tokens(per_row([seq.runtime.grammar for seq in seqs]), step.logits.shape[1],
-                                   step.logits.device),
-            draft_token_ids=[d for seq in step.seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
-        )
-
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
         """Append a step's tokens (more than one where drafts were accepted) until one finishes the sequence."""
         for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
@@ -310,20 +290,6 @@ class LLMEngine:
                 or seq.num_output_tokens < params.min_tokens):
             return 0
         return min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
-
-    def _record_prompt_logprobs(self, part: PromptLogits) -> None:
-        """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""
-        seq, first = part.seq, part.first_position
-        targets = seq.token_ids[first : first + part.logits.shape[0]]
-        entries = self.sampler.prompt_logprobs(part.logits, targets, seq.params.prompt_logprobs)
-        seq.runtime.prompt_logprobs[first : first + len(entries)] = entries
-
-    def _not_yet_allowed(self, seq: Sequence) -> tuple[int, ...] | set[int]:
-        """Before min_tokens, the tokens that would end the request."""
-        params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            return ()
-        return set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
 
     @staticmethod
     def _num_prompt_tokens_in(batch: ScheduledBatch) -> int:

@@ -1,0 +1,50 @@
+"""A step's logits -> one token (and logprobs) per row: each row's sampling inputs gathered from its sequence, then
+the Sampler on the whole batch; and the prompt logprobs of the prefill chunks that asked for them."""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from engine.model_runner import PromptLogits, StepLogits
+from engine.sampler import Sampler
+from engine.sequence import Sequence
+from engine.structured_output import allowed_tokens
+
+
+class StepSampler:
+    def __init__(self, eos_token_ids: Collection[int]):
+        self.eos_token_ids = set(eos_token_ids)
+        self.sampler = Sampler()
+
+    def __call__(self, step: StepLogits, drafts: dict[str, list[int]]) -> tuple[list[int], list]:
+        """One token per logits row; a sequence with drafts has a row for each draft and one for the bonus token."""
+        def per_row(values: list) -> list:  # one value per sequence, repeated for each of its rows
+            return [value for value, rows in zip(values, step.rows) for _ in range(rows)]
+
+        seqs = step.seqs
+        params = per_row([seq.params for seq in seqs])
+        return self.sampler(
+            step.logits,
+            params,
+            per_row([seq.runtime.generator for seq in seqs]),
+            per_row([seq.output_token_ids for seq in seqs]),
+            prompt_token_ids=per_row([seq.prompt_token_ids for seq in seqs]) if any(
+                p.repetition_penalty != 1.0 for p in params) else None,
+            banned_token_ids=per_row([self.not_yet_allowed(seq) for seq in seqs]),
+            allowed=allowed_tokens(per_row([seq.runtime.grammar for seq in seqs]), step.logits.shape[1],
+                                   step.logits.device),
+            draft_token_ids=[d for seq in seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
+        )
+
+    def not_yet_allowed(self, seq: Sequence) -> tuple[int, ...] | set[int]:
+        """Before min_tokens, the tokens that would end the request."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            return ()
+        return set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+
+    def record_prompt_logprobs(self, part: PromptLogits) -> None:
+        """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""
+        seq, first = part.seq, part.first_position
+        targets = seq.token_ids[first : first + part.logits.shape[0]]
+        entries = self.sampler.prompt_logprobs(part.logits, targets, seq.params.prompt_logprobs)
+        seq.runtime.prompt_logprobs[first : first + len(entries)] = entries
