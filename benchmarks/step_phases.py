@@ -58,7 +58,8 @@ def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
         targets += [(torch.nn.Linear, "forward", "linear"), (engine.layers.linear.Linear, "forward", "linear"),
                     (engine.models.llama, "paged_attention", "attention"),
                     (engine.models.hf, "paged_attention", "attention")]
-        fused = getattr(llm_engine.model.model, "fused", None)  # the native model's C++ ops; the HF model has none
+        decoder = getattr(llm_engine.model, "model", None)  # the native model's LlamaModel; the HF wrapper has none
+        fused = getattr(decoder, "fused", None)
         if fused is not None:
             targets.append((fused, "decode_layers", "one-call layers"))
     originals = [(owner, name, clock.wrap(owner, name, phase)) for owner, name, phase in targets]
