@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -13,7 +12,6 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
 from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
-from engine.errors import EngineInputError, EngineOverloadedError
 from engine.host_memory import keep_freed_memory
 from engine.input_processor import InputProcessor, Prompt
 from engine.kv_budget import num_kv_blocks
@@ -21,12 +19,14 @@ from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, StepLogits
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.output_processor import OutputProcessor
+from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, Sequence
 from engine.speculative import COUNTERS as SPEC_COUNTERS
 from engine.speculative import Speculator, accepted_length
+from engine.step_recovery import retry_in_groups
 from engine.step_sampler import StepSampler
 from engine.step_stats import GcPauses, PhaseTimer, stats_of
 
@@ -65,10 +65,7 @@ class LLMEngine:
         self.grammars = self.inputs.grammars  # one compile cache: the front end validates, the core copies matchers
         self.outputs = OutputProcessor(self.detokenizer_tokenizer, self.eos_token_ids, self.max_model_len, self.device)
         self.sampler = StepSampler(self.eos_token_ids)
-        self.sequences: dict[str, Sequence] = {}
-        self._inbox_lock = threading.Lock()
-        self._new_seqs: list[Sequence] = []
-        self._aborts: list[str] = []
+        self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting))
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
         self.consecutive_failed_steps = 0  # steps in a row in which no request could run
@@ -120,26 +117,15 @@ class LLMEngine:
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         seq = Sequence(request.request_id, token_ids, params, request.arrival_time, request.cache_salt)
         seq.runtime = self.outputs.new_state(request, grammar)
-        with self._inbox_lock:
-            if request.request_id in self.sequences:
-                raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
-            leader = request.prompt_leader
-            seq.prompt_leader = self.sequences.get(leader) if leader is not None else None
-            limit = self.config.max_waiting
-            if limit is not None and len(self._new_seqs) + len(self.scheduler.waiting) >= limit:
-                raise EngineOverloadedError(f"the engine queue is full ({limit} waiting requests)")
-            self.sequences[request.request_id] = seq
-            self._new_seqs.append(seq)
+        self.inbox.put(seq, request.prompt_leader)
         return seq
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the start of the next step. Thread-safe."""
-        with self._inbox_lock:
-            self._aborts.append(request_id)
+        self.inbox.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        with self._inbox_lock:
-            return bool(self._new_seqs or self._aborts or self.scheduler.num_unfinished)
+        return self.inbox.has_pending or bool(self.scheduler.num_unfinished)
 
     def warm_up(self) -> None:
         """One short generation before serving: first-call costs (above all compiling the decoder, with `compile`)
@@ -176,7 +162,7 @@ class LLMEngine:
         self.counters["num_steps"] += 1
         for out in outputs:
             if out.finished:
-                self.sequences.pop(out.request_id, None)
+                self.inbox.finished(out.request_id)
         if self.metrics is not None:
             self._record_metrics(outputs, batch.num_tokens)
         self.step_seconds += time.perf_counter() - start
@@ -190,18 +176,12 @@ class LLMEngine:
         self.metrics.flush(self.stats(), step_tokens)
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        with self._inbox_lock:
-            new, self._new_seqs = self._new_seqs, []
-            aborts, self._aborts = self._aborts, []
+        new, aborted = self.inbox.take()
         for seq in new:
             self.scheduler.add(seq)
-        outputs = []
-        for request_id in aborts:
-            seq = self.sequences.get(request_id)
-            if seq is not None and not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-                outputs.append(self.outputs.output(seq))
-        return outputs
+        for seq in aborted:
+            self.scheduler.finish(seq, "abort")
+        return [self.outputs.output(seq) for seq in aborted]
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         try:
@@ -209,29 +189,11 @@ class LLMEngine:
         except Exception:  # one bad request must not fail its batch-mates: find it, fail it, serve the rest
             log.exception("engine step failed; retrying its %d requests in groups", len(batch))
             self.counters["num_failed_steps"] += 1
-            return self._isolate_failure(batch)
+            outputs, nothing_ran = retry_in_groups(batch, self._execute, self._fail)
+            # steps in a row where nothing could run count against the engine; any success resets the count
+            self.consecutive_failed_steps = self.consecutive_failed_steps + 1 if nothing_ran else 0
+            return outputs
         self.consecutive_failed_steps = 0
-        return outputs
-
-    def _isolate_failure(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Retry the step once without the sequences still in prefill (the newest admissions, where bad input
-        shows first), then each of those alone; only a group that fails again is failed. Nothing was committed by
-        the failed attempt (computed counts advance after sampling), so a retry recomputes the same KV slots."""
-        newest, older = [], []
-        for i, seq in enumerate(batch.seqs):
-            (newest if seq.num_output_tokens == 0 else older).append(i)
-        groups = ([older] if older else []) + [[i] for i in newest]
-        outputs, failed_groups = [], []
-        for group in groups:
-            part = batch.subset(group)
-            try:
-                outputs += self._execute(part)
-            except Exception as exc:
-                log.warning("a retried group of %d requests failed again (%s)", len(group), type(exc).__name__)
-                failed_groups.append(group)
-                outputs += [self._fail(seq, f"engine step failed: {type(exc).__name__}") for seq in part.seqs]
-        # a step where nothing could run counts against the engine (a lost device fails everything); any success resets
-        self.consecutive_failed_steps = 0 if len(failed_groups) < len(groups) else self.consecutive_failed_steps + 1
         return outputs
 
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -349,7 +311,7 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + len(self._new_seqs),
+            "num_waiting": self.inbox.num_waiting,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "prefix_cache_queries": bm.prefix_cache_queries,

@@ -1,0 +1,55 @@
+"""RequestInbox: where callers' threads hand requests and aborts to the step loop, which takes them at the start of
+each step; and every request in flight, by id. Torch-free; every method is thread-safe."""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from engine.errors import EngineInputError, EngineOverloadedError
+from engine.sequence import Sequence
+
+
+class RequestInbox:
+    def __init__(self, max_waiting: int | None, num_scheduled_waiting: Callable[[], int]):
+        self.max_waiting = max_waiting
+        self._num_scheduled_waiting = num_scheduled_waiting  # the scheduler's queue counts against max_waiting too
+        self._lock = threading.Lock()
+        self._new: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._in_flight: dict[str, Sequence] = {}
+
+    def put(self, seq: Sequence, prompt_leader: str | None = None) -> None:
+        """EngineInputError for an id already in flight, EngineOverloadedError past max_waiting."""
+        with self._lock:
+            if seq.request_id in self._in_flight:
+                raise EngineInputError(f"request id {seq.request_id!r} is already in flight", "request_id")
+            seq.prompt_leader = self._in_flight.get(prompt_leader) if prompt_leader is not None else None
+            if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+                raise EngineOverloadedError(f"the engine queue is full ({self.max_waiting} waiting requests)")
+            self._in_flight[seq.request_id] = seq
+            self._new.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def take(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The requests added since the last call, and the unfinished ones aborted since then (new ones included)."""
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+            aborted = [self._in_flight.get(request_id) for request_id in aborts]
+        return new, [seq for seq in aborted if seq is not None and not seq.is_finished]
+
+    def finished(self, request_id: str) -> None:
+        with self._lock:
+            self._in_flight.pop(request_id, None)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._new or self._aborts)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet taken plus those the scheduler holds waiting."""
+        return len(self._new) + self._num_scheduled_waiting()

@@ -1,0 +1,32 @@
+"""When a step raises, find the requests that broke it, fail only those, and serve the rest in the same step."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from engine.scheduler import ScheduledBatch
+from engine.sequence import RequestOutput, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def retry_in_groups(batch: ScheduledBatch, execute: Callable[[ScheduledBatch], list[RequestOutput]],
+                    fail: Callable[[Sequence, str], RequestOutput]) -> tuple[list[RequestOutput], bool]:
+    """Retry the step once without the sequences still in prefill (the newest admissions, where bad input shows
+    first), then each of those alone; only a group that fails again is failed. Nothing was committed by the failed
+    attempt (computed counts advance after sampling), so a retry recomputes the same KV slots. Returns the outputs
+    and whether every group failed: then nothing could run (a lost device fails everything)."""
+    newest, older = [], []
+    for i, seq in enumerate(batch.seqs):
+        (newest if seq.num_output_tokens == 0 else older).append(i)
+    groups = ([older] if older else []) + [[i] for i in newest]
+    outputs, num_failed = [], 0
+    for group in groups:
+        part = batch.subset(group)
+        try:
+            outputs += execute(part)
+        except Exception as exc:
+            log.warning("a retried group of %d requests failed again (%s)", len(group), type(exc).__name__)
+            num_failed += 1
+            outputs += [fail(seq, f"engine step failed: {type(exc).__name__}") for seq in part.seqs]
+    return outputs, num_failed == len(groups)
