@@ -27,30 +27,36 @@ def label(proc: psutil.Process) -> str:
     return text[:70]
 
 
+def switches(pid: int, tid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of one thread: a process's own /proc status counts its main thread only."""
+    try:
+        status = open(f"/proc/{pid}/task/{tid}/status").read()
+    except OSError:
+        return 0, 0
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"])
+
+
+def thread_snapshot(pid: int) -> dict[int, tuple[float, int, int]]:
+    """tid -> (CPU seconds, voluntary, involuntary switches)."""
+    out = {}
+    for thread in psutil.Process(pid).threads():
+        out[thread.id] = (thread.user_time + thread.system_time, *switches(pid, thread.id))
+    return out
+
+
 def snapshot() -> dict[int, tuple[float, int, int, str]]:
-    """pid -> (CPU seconds, voluntary switches, involuntary switches, label)."""
+    """pid -> (CPU seconds, voluntary and involuntary switches summed over its threads, label)."""
     out = {}
     for proc in psutil.process_iter():
         try:
             with proc.oneshot():
-                cpu, switches = proc.cpu_times(), proc.num_ctx_switches()
-                out[proc.pid] = (cpu.user + cpu.system, switches.voluntary, switches.involuntary, label(proc))
+                cpu, threads = proc.cpu_times(), proc.threads()
+                name = label(proc)
         except psutil.Error:
             continue
-    return out
-
-
-def thread_snapshot(pid: int) -> dict[int, tuple[float, int, int]]:
-    """tid -> (CPU seconds, voluntary, involuntary switches), from /proc (psutil gives no per-thread switches)."""
-    out = {}
-    for thread in psutil.Process(pid).threads():
-        try:
-            status = open(f"/proc/{pid}/task/{thread.id}/status").read()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        out[thread.id] = (thread.user_time + thread.system_time, int(fields["voluntary_ctxt_switches"]),
-                          int(fields["nonvoluntary_ctxt_switches"]))
+        per_thread = [switches(proc.pid, t.id) for t in threads]
+        out[proc.pid] = (cpu.user + cpu.system, sum(v for v, _ in per_thread), sum(i for _, i in per_thread), name)
     return out
 
 
