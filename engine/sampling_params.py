@@ -15,6 +15,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own bound
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_REPETITION_PENALTY = 2.0
+# Below this, dividing a positive logit by the penalty overflows to inf and the softmax to NaN (a fuzzed 1.7e-149 did)
+MIN_REPETITION_PENALTY = 0.01
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf, and the softmax to NaN.
 SAMPLING_EPS = 1e-5
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
@@ -96,8 +98,9 @@ class SamplingParams:
             bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}", "prompt_logprobs")
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}", "repetition_penalty")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}", "repetition_penalty")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):

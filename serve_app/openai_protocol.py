@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import MAX_LOGPROBS, StructuredOutput
+from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, StructuredOutput
 
 MAX_TOOLS = 128  # OpenAI's own bound
 
@@ -103,7 +103,7 @@ class SamplingFields(BaseModel):
     # vLLM's extensions
     top_k: int | None = Field(default=None, description="-1 or None: off")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False  # benchmarks need fixed output lengths

@@ -70,6 +70,8 @@ CASES = [
     ("a schema that cannot compile", "POST", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}), {}, 400, "response_format"),
     ("repetition_penalty zero", "POST", CHAT, chat(repetition_penalty=0), {}, 400, "repetition_penalty"),
+    ("repetition_penalty so small that logits overflow", "POST", COMPLETIONS, comp(repetition_penalty=1.7e-149), {}, 400,
+     "repetition_penalty"),
     ("min_tokens above max_tokens", "POST", CHAT, chat(min_tokens=10, max_tokens=4), {}, 400, "min_tokens"),
     ("stop_token_ids outside vocabulary", "POST", CHAT, chat(stop_token_ids=[10**9]), {}, 400, "vocabulary"),
     ("token id outside vocabulary", "POST", COMPLETIONS, comp(prompt=[10**9]), {}, 400, "vocabulary"),

@@ -205,3 +205,11 @@ def test_a_greedy_row_ignores_its_draft_and_an_invalid_row_stays_invalid():
     tokens = sampler(LOGITS, [banned], [make_generator(banned, torch.device("cpu"))], [[]], draft_token_ids=[2],
                      banned_token_ids=[set(range(VOCAB))])[0]
     assert tokens == [INVALID_TOKEN], "a row left with nothing to choose does not accept its draft"
+
+
+def test_a_repetition_penalty_small_enough_to_overflow_the_logits_is_refused_by_name():
+    from engine.errors import EngineInputError
+    with pytest.raises(EngineInputError, match="repetition_penalty") as refused:
+        SamplingParams(repetition_penalty=1.7e-149).validate()
+    assert refused.value.param == "repetition_penalty"
+    SamplingParams(repetition_penalty=0.01).validate()
