@@ -5,6 +5,7 @@ against minutes 2-7, steps of the same size take within 5% of the time (the step
 which open-loop arrivals swing) and req/h stays within 5%, resident memory grows under 10%, and nothing failed.
 
 python benchmarks/soak.py --rate 0.5 --duration 1800      # set --rate to about 80% of the knee on your machine
+python benchmarks/soak.py --users 40 --duration 1800     # closed loop: a steady batch
 """
 from __future__ import annotations
 
@@ -114,6 +115,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 @cli.command()
 def main(rate: float = typer.Option(0.5, help="open-loop arrivals per second: about 80% of `make loadtest --sweep`'s knee"),
+         users: int = typer.Option(0, help="closed loop instead: this many users, each sending its next request when "
+                                           "the last ends (a steady batch, so the raw step rate shows drift too)"),
          duration: float = typer.Option(1800, help="seconds; at least 12 minutes for a verdict"),
          url: str = typer.Option("", help="server to load; empty: start the embedded app here (as make serve)"),
          prometheus: str = typer.Option("http://127.0.0.1:9090", help="scraping the app's metrics (make observe)"),
@@ -126,13 +129,14 @@ def main(rate: float = typer.Option(0.5, help="open-loop arrivals per second: ab
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         url = url or stack.enter_context(embedded_app())
-        records_path, started = run_locust(url, locust_dir, "soak", 0, rate, "poisson", duration, max_tokens=max_tokens,
-                                           stream_share=0.75, api_key=api_key, model="")
+        records_path, started = run_locust(url, locust_dir, "soak", users, 0 if users else rate, "poisson", duration,
+                                           max_tokens=max_tokens, stream_share=0.75, api_key=api_key, model="")
     minutes = int(duration // MINUTE)
     rows = [{"minute": m + 1, **c, **s} for m, (c, s) in enumerate(zip(client_minutes(load_records(records_path), started, minutes),
                                                                           server_minutes(prometheus, started, minutes)))]
     result = verdict(rows) if minutes >= 12 else {"pass": None}
-    report(rows, result, out_dir / stamp, f"soak at {rate:g} req/s for {duration / 60:.0f} min")
+    load = f"{users} users" if users else f"{rate:g} req/s"
+    report(rows, result, out_dir / stamp, f"soak at {load} for {duration / 60:.0f} min")
     raise typer.Exit(0 if result["pass"] in (True, None) else 1)
 
 
