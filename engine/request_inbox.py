@@ -34,11 +34,12 @@ class RequestInbox:
             self._aborts.append(request_id)
 
     def take(self) -> tuple[list[Sequence], list[Sequence]]:
-        """The requests added since the last call, and the unfinished ones aborted since then (new ones included)."""
+        """The requests added since the last call, and the unfinished ones aborted since then (new ones included),
+        each once however often it was aborted."""
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
-            aborted = [self._in_flight.get(request_id) for request_id in aborts]
+            aborted = [self._in_flight.get(request_id) for request_id in dict.fromkeys(aborts)]
         return new, [seq for seq in aborted if seq is not None and not seq.is_finished]
 
     def finished(self, request_id: str) -> None:
