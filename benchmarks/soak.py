@@ -70,7 +70,8 @@ def step_time_drift(early: list[dict], late: list[dict]) -> float:
     is compared with a line through the early minutes' (ms/step against tokens/step). Median ratio, minus 1."""
     tokens = np.array([r["tokens/step"] for r in early])
     ms = np.array([1000 / r["steps/s"] for r in early])
-    slope, intercept = np.polyfit(tokens, ms, 1) if np.ptp(tokens) > 0.5 else (0.0, float(np.median(ms)))
+    flat = np.ptp(tokens) <= 0.5  # a batch that never moved gives no slope to fit: compare with its median step
+    slope, intercept = (0.0, float(np.median(ms))) if flat else np.polyfit(tokens, ms, 1)
     return float(statistics.median((1000 / r["steps/s"]) / (intercept + slope * r["tokens/step"]) for r in late)) - 1
 
 

@@ -15,7 +15,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own bound
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_REPETITION_PENALTY = 2.0
-# Below this, dividing a positive logit by the penalty overflows to inf and the softmax to NaN (a fuzzed 1.7e-149 did)
+# A floor far from where dividing a positive logit by the penalty overflows to inf and the softmax gives NaN (a fuzzed
+# 1.7e-149 did); at 0.01 a logit grows a hundredfold at most
 MIN_REPETITION_PENALTY = 0.01
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf, and the softmax to NaN.
 SAMPLING_EPS = 1e-5
