@@ -56,8 +56,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(default=1024, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "cpp"] = Field(
-        default="auto", description="decode attention: the C++ CPU kernel where it builds (auto), or the torch path")
+    attention_backend: Literal["auto", "torch", "cpp", "triton"] = Field(default="auto", description=(
+        "auto: the paged Triton kernels on CUDA, the C++ decode kernel on CPU where it builds; torch: the padded "
+        "reference path"))
     compile: bool = Field(default=False, description=(
         "torch.compile (inductor) the native model's steps, but the one-call GGUF decode; compiled in the warm-up, "
         "cached on disk under the engine's cache directory. Off: measured at 0.97-1.01x the eager step, for a "

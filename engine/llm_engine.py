@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from engine.attention_backend import choose_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
@@ -43,6 +44,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attention_backend = choose_attention_backend(config, self.device.type)  # refused before the weights load
         self.model = load_model(config, self.device, self.dtype)
         self.tokenizer = load_tokenizer(config)  # callers' threads: encoding
         self.detokenizer_tokenizer = load_tokenizer(config)  # step thread: fast tokenizers are not shareable across threads
@@ -55,7 +57,7 @@ class LLMEngine:
         self.phases = PhaseTimer()
         self.gc_pauses = GcPauses()
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
-                                  self.phases)
+                                  self.phases, triton=self.attention_backend == "triton")
         self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -90,10 +92,11 @@ class LLMEngine:
         return ids
 
     def _decode_kernel(self):
-        backend = self.config.attention_backend
-        if backend == "torch" or self.device.type != "cpu":
+        if self.attention_backend != "cpp":
             return None
-        return build_paged_decode() if backend == "cpp" else paged_decode_op()  # 'cpp' raises where it cannot build
+        if self.config.attention_backend == "cpp":
+            return build_paged_decode()  # raises where it cannot build
+        return paged_decode_op()  # auto: None where it cannot build
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -304,6 +307,7 @@ class LLMEngine:
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "decode_kernel": self.runner.decode_kernel is not None,
+            "attention_backend": self.attention_backend,
             "device": self.device.type,
         }
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from engine.host_memory import ask_huge_pages
-from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillChunk
 from engine.models import Model
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -50,8 +50,10 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: Model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
-                 decode_kernel=None, write_kv=None, phases: PhaseTimer | None = None):
+                 decode_kernel=None, write_kv=None, phases: PhaseTimer | None = None, triton: bool = False):
         self.model = model
+        self.triton = triton  # attention on the Triton kernels (engine/layers/triton_attention.py)
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
         self.decode_kernel = decode_kernel
         self.write_kv = write_kv
@@ -126,6 +128,9 @@ class ModelRunner:
     def _metadata(self, seqs: list[Sequence], num_new_tokens: list[int], slots: list[int]) -> AttentionMetadata:
         num_decodes = sum(1 for n in num_new_tokens if n == 1)
         decode = self._decode_batch(seqs[:num_decodes]) if num_decodes else None
+        if self.triton:
+            return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, [], None, self.kv_cache,
+                                     self._prefill_batch(seqs[num_decodes:], num_new_tokens[num_decodes:]), True)
         prefills, start = [], num_decodes
         for seq, num_new in zip(seqs[num_decodes:], num_new_tokens[num_decodes:]):
             context_len = seq.num_computed_tokens + num_new
@@ -134,11 +139,26 @@ class ModelRunner:
             start += num_new
         return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, prefills, self.write_kv, self.kv_cache)
 
+    def _prefill_batch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> PrefillBatch | None:
+        if not seqs:
+            return None
+        starts = [0]
+        for num_new in num_new_tokens:
+            starts.append(starts[-1] + num_new)
+        context_lens = [seq.num_computed_tokens + num_new for seq, num_new in zip(seqs, num_new_tokens)]
+        width = max(-(-n // self.block_size) for n in context_lens)
+        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        return PrefillBatch(self._tensor(starts), self._tensor(context_lens), self._tensor(tables), max(num_new_tokens))
+
     def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
         width = max(len(seq.block_table) for seq in seqs)
         tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
-        context_lens = self._tensor([seq.num_computed_tokens + 1 for seq in seqs])
-        return DecodeBatch(tables, context_lens, self.block_size, self.decode_kernel)
+        lens = [seq.num_computed_tokens + 1 for seq in seqs]
+        splits = 1
+        if self.triton:
+            from engine.kernels.triton.decode import num_splits_for  # triton is imported only where it runs
+            splits = num_splits_for(len(seqs), self.kv_cache.shape[2], max(lens), self.num_sms)
+        return DecodeBatch(tables, self._tensor(lens), self.block_size, self.decode_kernel, splits)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

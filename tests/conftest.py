@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing local model fails fast instead of hanging on the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not os.path.exists("/dev/nvidiactl"):  # no GPU: the Triton kernels run under triton's interpreter, on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined, so before any engine import
 
 import subprocess
 import time

@@ -33,6 +33,7 @@ class DecodeBatch:
     context_lens: torch.Tensor  # [num_decodes]
     block_size: int
     kernel: Callable | None = None  # a fused paged-decode op (engine.cpu_kernels); None: the torch path
+    num_splits: int = 1  # the Triton kernel's parts per sequence (flash-decoding); 1 where the batch fills the GPU
 
     @property
     def size(self) -> int:
@@ -52,6 +53,16 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """The step's prefill chunks as tensors, for a kernel that attends all of them in one call (Triton)."""
+
+    query_starts: torch.Tensor  # [S + 1]: chunk i is rows query_starts[i]:query_starts[i + 1] after the decodes
+    context_lens: torch.Tensor  # [S]: tokens in each sequence once its chunk is written
+    block_tables: torch.Tensor  # [S, width], padded with block 0
+    max_query_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """What one step's attention needs to know, built once per step by the model runner."""
 
@@ -61,9 +72,14 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     write_kv: Callable | None = None  # the fused CPU op writing new K/V into their slots; None: index_copy_
     kv_pool: torch.Tensor | None = None  # the pool kv_layers are views of, [layers, 2, kv_heads, blocks, block_size, D]
+    prefill_batch: PrefillBatch | None = None  # set where the Triton kernels run: then they do all of a layer
+    triton: bool = False
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_layers[layer]
+        if self.triton:
+            from engine.layers.triton_attention import attend_triton  # triton is imported only where it runs
+            return attend_triton(query, key, value, k_cache, v_cache, self, scaling)
         return attend(query, key, value, k_cache, v_cache, self, scaling)
 
 

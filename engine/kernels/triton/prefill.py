@@ -1,0 +1,100 @@
+"""Chunked prefill over the flat batch, one call a layer: each sequence's new rows attend causally to its cached
+prefix and to themselves, read from the pool after the step's K/V were written (as vLLM's Triton backend does).
+This one kernel serves a fresh prompt, a chunk over a cached prefix or a prefix-cache hit, and speculative
+verification rows; a one-row chunk is a decode.
+
+A program takes one tile of BLOCK_Q query tokens of one sequence and one KV head, with the tile's query heads of
+that KV head stacked as rows (token-major), so each K/V block is read once for the group. Blocks past the tile's
+last position are never read.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton.common import LOG2E, MIN_DOT, dot, dot_flags
+from engine.kernels.triton.launch import Launch
+
+ROWS_PER_PROGRAM = 64  # BLOCK_Q x padded group
+
+
+@triton.jit
+def _prefill_kernel(query, k_cache, v_cache, block_tables, query_starts, context_lens, out, qk_scale,
+                    stride_qt, stride_qh, stride_ch, stride_cb, stride_co, stride_bt, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_starts + seq)
+    q_len = tl.load(query_starts + seq + 1) - q_start
+    if tile * BLOCK_Q < q_len:
+        context_len = tl.load(context_lens + seq)
+        prefix_len = context_len - q_len  # tokens cached before this chunk
+
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        token = tile * BLOCK_Q + rows // GROUP_PAD
+        member = rows % GROUP_PAD
+        row_ok = (token < q_len) & (member < GROUP)
+        heads = kv_head * GROUP + member
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        row_ptr = (q_start + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(query + row_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        position = prefix_len + token  # of each query row in its sequence
+        offsets = tl.arange(0, BLOCK_SIZE)
+        cache_head = kv_head * stride_ch + offsets[:, None] * stride_co + d[None, :]
+
+        m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
+        tile_end = tl.minimum(prefix_len + (tile + 1) * BLOCK_Q, context_len)  # one past the tile's last position
+        for j in range(0, tl.cdiv(tile_end, BLOCK_SIZE)):
+            block = tl.load(block_tables + seq * stride_bt + j).to(tl.int64)
+            k = tl.load(k_cache + cache_head + block * stride_cb, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_cache + cache_head + block * stride_cb, mask=d_ok[None, :], other=0.0)
+            s = dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
+            key_position = j * BLOCK_SIZE + offsets
+            causal = (key_position[None, :] <= position[:, None]) & (key_position[None, :] < context_len)
+            s = tl.where(causal, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))  # finite: key 0 is visible to every row
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, WIDEN)
+            m = m_new
+        out_ptr = (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out + out_ptr, (acc / l[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_starts: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, scaling: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """query [T, heads, D], the chunks of S sequences back to back: sequence i's rows are
+    query_starts[i]:query_starts[i + 1], and it has context_lens[i] tokens once they are written (their K/V are
+    in the pool already). block_tables [S, width]. -> [T, heads, D]."""
+    out = torch.empty_like(query) if out is None else out
+    if query.shape[0] and context_lens.shape[0]:
+        prefill_launch(query, k_cache, v_cache, block_tables, query_starts, context_lens, max_query_len, scaling,
+                       out).run()
+    return out
+
+
+def prefill_launch(query, k_cache, v_cache, block_tables, query_starts, context_lens, max_query_len, scaling,
+                   out) -> Launch:
+    _, heads, head_dim = query.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and query.stride(-1) == 1
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, ROWS_PER_PROGRAM // group_pad)
+    while block_q * group_pad < MIN_DOT:
+        block_q *= 2
+    grid = (context_lens.shape[0], triton.cdiv(max_query_len, block_q), kv_heads)
+    return Launch(_prefill_kernel, grid, (
+        query, k_cache, v_cache, block_tables, query_starts, context_lens, out, scaling * LOG2E,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1)),
+        dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+             D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, **dot_flags(query.dtype)))
