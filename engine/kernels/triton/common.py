@@ -1,4 +1,4 @@
-"""What the attention kernels share: constants and the one matrix product they all take."""
+"""What the attention kernels share: constants and how they take their matrix products."""
 from __future__ import annotations
 
 import os
@@ -9,21 +9,31 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634  # the kernels take exp2 of scores pre-scaled by this
 MIN_DOT = 16  # the smallest M, N and K that tl.dot compiles for on NVIDIA GPUs
+MIN_TILE = 64  # context positions a kernel reads per step of its loop: several blocks, gathered through the table
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
-def dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    """a @ b accumulated in fp32. IEEE: fp32 operands multiplied in full fp32, not TF32 (the parity tests compare
-    fp32 to transformers). WIDEN: bf16 operands widened first, for triton's interpreter, whose bf16 product is wrong
-    (it multiplies the raw 16-bit patterns; triton 3.9)."""
-    if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
 def dot_flags(dtype: torch.dtype) -> dict:
-    return dict(IEEE=dtype == torch.float32, WIDEN=INTERPRETED and dtype == torch.bfloat16)
+    """The kernels' matrix-product settings for operands of `dtype`: DOT_DTYPE, what the operands are cast to (fp32
+    for bf16 under triton's interpreter, whose bf16 product multiplies the raw 16-bit patterns, triton 3.9; else the
+    operands' own type, a no-op), and PRECISION, full fp32 where the operands are fp32 (not TF32: the parity tests
+    compare fp32 to transformers)."""
+    widen = dtype == torch.float32 or (INTERPRETED and dtype == torch.bfloat16)
+    dot_dtype = tl.float32 if widen else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+    return dict(DOT_DTYPE=dot_dtype, PRECISION="ieee" if widen else "tf32")
+
+
+def tile_for(block_size: int) -> int:
+    return max(block_size, MIN_TILE)
+
+
+@triton.jit
+def load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, head_offset, stride_cb, stride_co,
+                 BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """K and V [TILE, D_PAD] at context `position`s through the sequence's `block_table`; zeros where not visible."""
+    block = tl.load(block_table + position // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
+    offset = head_offset + block[:, None] * stride_cb + (position % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
+    mask = visible[:, None] & d_ok[None, :]
+    k = tl.load(k_cache + offset, mask=mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_cache + offset, mask=mask, other=0.0).to(DOT_DTYPE)
+    return k, v

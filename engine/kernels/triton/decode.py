@@ -1,7 +1,7 @@
 """Decode attention: one query row per sequence over its paged context, online softmax.
 
-A program takes one sequence, one KV head and one split of its blocks, and all the query heads that share that KV
-head (GQA), so each K/V block is read once for the group. The group is padded to 16 rows, the least `tl.dot` takes
+A program takes one sequence, one KV head and one split of its context, and all the query heads that share that KV
+head (GQA), so each K/V block is read once for the group; it reads the context in tiles of several blocks. The group is padded to 16 rows, the least `tl.dot` takes
 on a GPU; decode is bound by reading K/V, so the idle rows cost no bandwidth. Where a batch has too few
 (sequence, KV head) pairs to fill the GPU, each sequence's blocks are cut into `num_splits` parts (flash-decoding),
 and a second kernel merges the parts by their log-sum-exp. The split count is a compile-time constant and each
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import LOG2E, MIN_DOT, dot, dot_flags
+from engine.kernels.triton.common import LOG2E, MIN_DOT, dot_flags, load_kv_tile, tile_for
 from engine.kernels.triton.launch import Launch
 
 MAX_SPLITS = 16
@@ -25,15 +25,16 @@ TOKENS_PER_SPLIT = 256  # a split shorter than this costs more in the merge than
 def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, qk_scale,
                    stride_qb, stride_qh, stride_ch, stride_cb, stride_co, stride_bt, stride_ob, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens + seq)
-    num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
-    first_block = split * per_split
-    last_block = tl.minimum(first_block + per_split, num_blocks)
+    num_tiles = tl.cdiv(context_len, TILE)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first_tile = split * per_split
+    last_tile = tl.minimum(first_tile + per_split, num_tiles)
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
@@ -41,24 +42,24 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, par
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     q = tl.load(query + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    offsets = tl.arange(0, BLOCK_SIZE)
-    cache_head = kv_head * stride_ch + offsets[:, None] * stride_co + d[None, :]
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+    offsets = tl.arange(0, TILE)
 
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    for j in range(first_block, last_block):
-        block = tl.load(block_tables + seq * stride_bt + j).to(tl.int64)
-        k = tl.load(k_cache + cache_head + block * stride_cb, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_cache + cache_head + block * stride_cb, mask=d_ok[None, :], other=0.0)
-        s = dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
-        s = tl.where((j * BLOCK_SIZE + offsets)[None, :] < context_len, s, float("-inf"))
+    for t in range(first_tile, last_tile):
+        position = t * TILE + offsets
+        visible = position < context_len
+        k, v = load_kv_tile(k_cache, v_cache, block_tables + seq * stride_bt, position, visible, d, d_ok,
+                            kv_head * stride_ch, stride_cb, stride_co, BLOCK_SIZE, DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, WIDEN)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m = m_new
 
     store_mask = row_ok[:, None] & d_ok[None, :]
@@ -67,7 +68,7 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, par
         tl.store(out + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], result.to(out.dtype.element_ty),
                  mask=store_mask)
     else:  # part_out [B, H, NUM_SPLITS, D_PAD] and part_lse [B, H, NUM_SPLITS], both fp32 and contiguous
-        has_blocks = first_block < last_block
+        has_blocks = first_tile < last_tile
         result = tl.where(has_blocks, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
         lse = tl.where(has_blocks, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
         part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
@@ -125,7 +126,7 @@ def decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1)),
         dict(GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-             BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, **dot_flags(query.dtype)))]
+             BLOCK_SIZE=block_size, TILE=tile_for(block_size), NUM_SPLITS=num_splits, **dot_flags(query.dtype)))]
     if num_splits > 1:
         launches.append(Launch(_merge_kernel, (batch, heads), (parts, lse, out, out.stride(0), out.stride(1)),
                                dict(HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits)))

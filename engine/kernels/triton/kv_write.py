@@ -7,22 +7,27 @@ import triton.language as tl
 
 from engine.kernels.triton.launch import Launch
 
+TOKENS_PER_PROGRAM = 16
+
 
 @triton.jit
-def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
+def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping, num_tokens,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cb, stride_co,
+                     KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    slot = tl.load(slot_mapping + token)
-    if slot >= 0:  # a negative slot is a padded row (a CUDA graph's spare batch room): nothing to write
-        d = tl.arange(0, D_PAD)
-        mask = d < HEAD_DIM
-        k = tl.load(key + token * stride_kt + head * stride_kh + d, mask=mask)
-        v = tl.load(value + token * stride_vt + head * stride_vh + d, mask=mask)
-        dst = head * stride_ch + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + d
-        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
-        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+    rows = tl.arange(0, BLOCK_T * HEADS_PAD)  # (token, head) pairs, token-major
+    token = tl.program_id(0) * BLOCK_T + rows // HEADS_PAD
+    head = rows % HEADS_PAD
+    slot = tl.load(slot_mapping + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    # a negative slot is a padded row (a CUDA graph's spare batch room): nothing to write
+    row_ok = (token < num_tokens) & (head < KV_HEADS) & (slot >= 0)
+    d = tl.arange(0, D_PAD)
+    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(key + token[:, None] * stride_kt + head[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value + token[:, None] * stride_vt + head[:, None] * stride_vh + d[None, :], mask=mask)
+    dst = head * stride_ch + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+    tl.store(k_cache + dst[:, None] + d[None, :], k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + dst[:, None] + d[None, :], v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -35,7 +40,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
 def write_kv_launch(k_cache, v_cache, key, value, slot_mapping) -> Launch:
     tokens, kv_heads, head_dim = key.shape
     assert k_cache.stride() == v_cache.stride() and key.stride(-1) == 1 and value.stride(-1) == 1
-    return Launch(_write_kv_kernel, (tokens, kv_heads), (
-        key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
-        dict(BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim)))
+    return Launch(_write_kv_kernel, (triton.cdiv(tokens, TOKENS_PER_PROGRAM),), (
+        key, value, k_cache, v_cache, slot_mapping, tokens, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+        dict(KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(kv_heads), BLOCK_T=TOKENS_PER_PROGRAM,
+             BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim)))

@@ -4,8 +4,8 @@ This one kernel serves a fresh prompt, a chunk over a cached prefix or a prefix-
 verification rows; a one-row chunk is a decode.
 
 A program takes one tile of BLOCK_Q query tokens of one sequence and one KV head, with the tile's query heads of
-that KV head stacked as rows (token-major), so each K/V block is read once for the group. Blocks past the tile's
-last position are never read.
+that KV head stacked as rows (token-major), so each K/V block is read once for the group. Context past the
+tile's last position is never read.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import LOG2E, MIN_DOT, dot, dot_flags
+from engine.kernels.triton.common import LOG2E, MIN_DOT, dot_flags, load_kv_tile, tile_for
 from engine.kernels.triton.launch import Launch
 
 ROWS_PER_PROGRAM = 64  # BLOCK_Q x padded group
@@ -23,7 +23,8 @@ ROWS_PER_PROGRAM = 64  # BLOCK_Q x padded group
 def _prefill_kernel(query, k_cache, v_cache, block_tables, query_starts, context_lens, out, qk_scale,
                     stride_qt, stride_qh, stride_ch, stride_cb, stride_co, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -41,28 +42,27 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, query_starts, context
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         row_ptr = (q_start + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
-        q = tl.load(query + row_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(query + row_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
         position = prefix_len + token  # of each query row in its sequence
-        offsets = tl.arange(0, BLOCK_SIZE)
-        cache_head = kv_head * stride_ch + offsets[:, None] * stride_co + d[None, :]
+        offsets = tl.arange(0, TILE)
 
         m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
         tile_end = tl.minimum(prefix_len + (tile + 1) * BLOCK_Q, context_len)  # one past the tile's last position
-        for j in range(0, tl.cdiv(tile_end, BLOCK_SIZE)):
-            block = tl.load(block_tables + seq * stride_bt + j).to(tl.int64)
-            k = tl.load(k_cache + cache_head + block * stride_cb, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_cache + cache_head + block * stride_cb, mask=d_ok[None, :], other=0.0)
-            s = dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
-            key_position = j * BLOCK_SIZE + offsets
+        for t in range(0, tl.cdiv(tile_end, TILE)):
+            key_position = t * TILE + offsets
+            k, v = load_kv_tile(k_cache, v_cache, block_tables + seq * stride_bt, key_position,
+                                key_position < tile_end, d, d_ok, kv_head * stride_ch, stride_cb, stride_co,
+                                BLOCK_SIZE, DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             causal = (key_position[None, :] <= position[:, None]) & (key_position[None, :] < context_len)
             s = tl.where(causal, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))  # finite: key 0 is visible to every row
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m - m_new)
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, WIDEN)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
             m = m_new
         out_ptr = (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out + out_ptr, (acc / l[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -97,4 +97,4 @@ def prefill_launch(query, k_cache, v_cache, block_tables, query_starts, context_
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1)),
         dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-             D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, **dot_flags(query.dtype)))
+             D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, TILE=tile_for(block_size), **dot_flags(query.dtype)))

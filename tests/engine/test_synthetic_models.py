@@ -1,0 +1,144 @@
+"""The engine on random tiny models and the synthetic tokenizer (tests/fixtures): no hub, no embedded model, so the
+same tests run on a GPU machine that gets only a copy of the tree. Greedy output is checked against transformers'
+fp32 forward at every position, in every scheduling mode, on every attention backend of the device: on CPU the torch
+path, the C++ kernel and the Triton kernels under triton's interpreter; on CUDA (marker `gpu`, deselected where
+there is no GPU) the Triton kernels and the torch path."""
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutput
+from engine.config import SpeculativeConfig
+from engine.cpu_kernels import have_compiler
+from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
+from tests.fixtures.tiny_models import TINY, synthetic_tokenizer, tiny_checkpoint
+
+NEW_TOKENS = 24
+WORDS = ("the engine schedules each request in blocks of sixteen tokens while the replica streams text back to "
+         "the client and the scheduler preempts the newest sequence when the pool runs out").split()
+SYSTEM = "You are a careful assistant who answers in plain words and never invents numbers. " * 3
+
+# (device, attention backend, marks); Triton on CPU runs under triton's interpreter
+BACKENDS = [("cpu", "torch", []), ("cpu", "cpp", [pytest.mark.skipif(not have_compiler(), reason="no C++ compiler")]),
+            ("cpu", "triton", []), ("cuda", "triton", [pytest.mark.gpu]), ("cuda", "torch", [pytest.mark.gpu])]
+
+
+def on(*chosen: tuple[str, str]) -> list:
+    """The BACKENDS among `chosen` (device, backend) pairs, as parameters; every CUDA one is always added."""
+    return [pytest.param(device, backend, marks=marks) for device, backend, marks in BACKENDS
+            if (device, backend) in chosen or device == "cuda"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return synthetic_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (checkpoint, HF fp32 reference on CPU)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {name: (path, load_hf_model(path)) for name in TINY for path in [tiny_checkpoint(root, name)]}
+
+
+def varied_prompts(tokenizer) -> list[list[int]]:
+    """12 prompts of 1 to about 300 tokens: a bare id, text, chats, long documents."""
+    texts = [" ".join(WORDS[i % 7 : i % 7 + 3 + i]) for i in range(6)]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in texts[:3]]
+    documents = [" ".join(WORDS * n) for n in (3, 6, 9)]
+    ids = [tokenizer.encode("the")[:1]] + [tokenizer.encode(p) for p in texts[3:] + chats + documents]
+    assert min(map(len, ids)) == 1 and max(map(len, ids)) > 200, [len(i) for i in ids]
+    return ids
+
+
+def shared_prefix_prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me about {word}, part {i}."}],
+        tokenize=False, add_generation_prompt=True)) for i, word in enumerate(WORDS[:12])]
+
+
+# mode -> (prompts, engine arguments, what the run must show it exercised)
+MODES = {
+    "plain": (varied_prompts, {"num_kv_blocks": 256}, lambda s: s["num_preemptions"] == 0),
+    "preemption": (varied_prompts, {"num_kv_blocks": 40}, lambda s: s["num_preemptions"] > 0),
+    "prefix-hits": (shared_prefix_prompts, {"num_kv_blocks": 40, "max_num_batched_tokens": 128},
+                    lambda s: s["prefix_cache_hits"] >= 6 * 48 and s["prefix_cache_evictions"] > 0),
+    "chunked-prefill": (varied_prompts, {"num_kv_blocks": 256, "max_num_batched_tokens": 48,
+                                         "enable_prefix_caching": False}, lambda s: s["num_preemptions"] == 0),
+}
+
+
+# Triton under the interpreter takes about 12 s a case: one model there (GQA 2, head size 128); the kernel tests
+# cover the other shapes
+CASES = [pytest.param(model, device, backend, mode, marks=marks) for model in TINY for device, backend, marks in BACKENDS
+         for mode in MODES if not (model == "llama-hd64" and (device, backend) == ("cpu", "triton"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,device,backend,mode", CASES)
+def test_greedy_output_matches_hf_at_every_position(models, tokenizer, model, device, backend, mode):
+    path, hf_model = models[model]
+    make_prompts, engine_args, exercised = MODES[mode]
+    prompts = make_prompts(tokenizer)
+    llm = LLM(model=path, dtype="float32", device=device, attention_backend=backend, **engine_args)
+    assert llm.engine.settings()["attention_backend"] == backend
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert exercised(stats), f"{mode} was not exercised: {stats}"
+    assert_varied(outputs)
+    exact = sum(assert_matches_hf(hf_model, prompt, out, f"{model}/{device}/{backend}/{mode} prompt {i}")
+                for i, (prompt, out) in enumerate(zip(prompts, outputs)))
+    assert exact >= len(prompts) * NEW_TOKENS - 2, f"{exact} exact positions: near-ties should be rare"
+
+
+def repetitive_prompts(tokenizer) -> list[list[int]]:
+    """Texts that repeat, so n-gram drafts find matches in the prompt and in the model's own loops."""
+    return [tokenizer.encode(" ".join(WORDS[i : i + 5] * 6)) for i in range(0, 20, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device,backend", on(("cpu", "triton"), ("cpu", "torch")))
+def test_speculative_decoding_changes_no_token(tmp_path_factory, tokenizer, device, backend):
+    """Verification rows run as prefill chunks over the cached context: the Triton prefill kernel with drafts. A
+    model of small random weights loops, so drafts are accepted as well as rejected."""
+    path = tiny_checkpoint(tmp_path_factory.mktemp("looping"), "qwen2-hd128", initializer_range=0.02)
+    prompts = repetitive_prompts(tokenizer)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    args = dict(model=path, dtype="float32", device=device, attention_backend=backend, num_kv_blocks=128)
+    reference = LLM(**args).generate(prompts, greedy, use_tqdm=False)
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=16, weigh_cost=False, prompt_lookup_min=1)
+    llm = LLM(speculative=spec, **args)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    stats = llm.engine.stats()
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+
+
+COLOR = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
+         "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device,backend", on(("cpu", "triton")))
+def test_structured_output_follows_its_schema_and_leaves_batch_mates_alone(models, tokenizer, device, backend):
+    path, _ = models["llama-hd64"]
+    llm = LLM(model=path, dtype="float32", device=device, attention_backend=backend, num_kv_blocks=128)
+    ask, plain_prompt = [{"role": "user", "content": "Pick a color."}], [{"role": "user", "content": "Describe the pool."}]
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput(json_schema=COLOR))
+    (alone,) = llm.chat([plain_prompt], plain, use_tqdm=False)
+    answer, mate = llm.chat([ask, plain_prompt], [constrained, plain], use_tqdm=False)
+    value = json.loads(answer.text)
+    assert answer.finish_reason == "stop" and set(value) == {"ok", "color"} and value["color"] in COLOR["properties"]["color"]["enum"]
+    assert mate.token_ids == alone.token_ids
+
+
+@pytest.mark.gpu
+def test_the_gpu_is_the_default_device_and_triton_its_backend(models):
+    path, _ = models["llama-hd64"]
+    settings = LLM(model=path, num_kv_blocks=64).engine.settings()
+    assert (settings["device"], settings["attention_backend"], settings["dtype"]) == ("cuda", "triton", "bfloat16")
+    assert torch.cuda.is_available()
