@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup model serve stop test test-fast bench bench-peers bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: gpu-check gpu-wheels setup model serve stop test test-fast bench bench-peers bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -42,6 +42,23 @@ test-fast: model
 
 bench: model
 	$(PY) benchmarks/bench.py $(ARGS)
+
+# A GPU machine here has no network and gets the tree as a copy (64 MiB at most), with torch, triton and transformers
+# installed: what the engine needs beyond them travels as wheels in the ignored .whl/, downloaded here for its
+# Python 3.12 at the versions this venv tested. gpu-check runs with the machine's own python3, no venv.
+GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection msgspec pyzmq llguidance
+GPU_PLATFORMS := $(foreach n,31 28 27 26 24 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+GPU_SITE := /tmp/gpu-check-site
+gpu-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
+		-d .whl $$($(PY) -c "from importlib.metadata import version; print(*(f'{n}=={version(n)}' for n in '$(GPU_WHEELS)'.split()))")
+	@du -sh .whl
+
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+		--target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(GPU_SITE) python3 benchmarks/gpu_check.py $(ARGS)
 
 # vLLM's CPU build pins other versions, so it lives in its own venv; torchvision & co. must go or it fails to import.
 $(PEERS)/.installed:

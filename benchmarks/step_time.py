@@ -37,7 +37,7 @@ def main(threads: int = 1, users: int = 48, warmup_steps: int = 50, steps: int =
 def sampler_ms(rows: int, vocab: int, repeats: int = 30) -> float:
     logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
     params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(rows)]
-    generators = [make_generator(p, logits.device) for p in params]
+    generators = [make_generator(p) for p in params]
     sampler, times = Sampler(), []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -63,6 +63,9 @@ class EngineConfig(BaseModel):
         "torch.compile (inductor) the native model's steps, but the one-call GGUF decode; compiled in the warm-up, "
         "cached on disk under the engine's cache directory. Off: measured at 0.97-1.01x the eager step, for a "
         "40-80 s first start (BENCHMARKS.md)"))
+    enforce_eager: bool = Field(default=False, description=(
+        "on CUDA, decode steps replay CUDA graphs captured at start-up for batch buckets up to max_num_seqs (native "
+        "models); True: every step runs eagerly (vLLM's flag)"))
     max_waiting: int | None = Field(default=None, ge=1, description="bound on queued requests; None is unbounded")
     default_max_tokens: int | None = Field(default=None, ge=1, description="when a request gives none; None: the rest of the context")
     max_tokens_limit: int | None = Field(default=None, ge=1, description="cap on max_tokens, given or default; over it is refused")

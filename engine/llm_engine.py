@@ -54,18 +54,21 @@ class LLMEngine:
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None
         write_kv = fused.write_kv if fused is not None else None
-        self.phases = PhaseTimer()
+        self.phases = PhaseTimer(cuda=self.device.type == "cuda")
         self.gc_pauses = GcPauses()
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
                                   self.phases, triton=self.attention_backend == "triton")
         self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
+        if self.device.type == "cuda" and not config.enforce_eager and self.model.impl == "native" \
+                and self.attention_backend == "triton":
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
                                   sorted(self.eos_token_ids))
         self.inputs = InputProcessor(config, self.tokenizer, self.limits)
         self.grammars = self.inputs.grammars  # one compile cache: the front end validates, the core copies matchers
-        self.outputs = OutputProcessor(self.detokenizer_tokenizer, self.eos_token_ids, self.max_model_len, self.device)
+        self.outputs = OutputProcessor(self.detokenizer_tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampler = StepSampler(self.eos_token_ids)
         self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting))
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
@@ -308,6 +311,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "decode_kernel": self.runner.decode_kernel is not None,
             "attention_backend": self.attention_backend,
+            "cuda_graphs": self.runner.graphs.buckets if self.runner.graphs is not None and self.runner.graphs.graphs else None,
             "device": self.device.type,
         }
 

@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import ask_huge_pages
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillChunk
 from engine.models import Model
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model = model
         self.triton = triton  # attention on the Triton kernels (engine/layers/triton_attention.py)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs; see capture_graphs
         self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
         self.decode_kernel = decode_kernel
         self.write_kv = write_kv
@@ -77,6 +79,17 @@ class ModelRunner:
         pool = torch.empty(shape, dtype=self.dtype, device=self.device)
         ask_huge_pages(pool)  # before the zeros touch it: decode attention reads blocks scattered over all of it
         return pool.zero_()
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+        """Decode steps of up to max_num_seqs sequences replay CUDA graphs from now on (capture=False: the same
+        buffers, run eagerly; tests on CPU). Call after the KV pool is allocated: the graphs hold its address."""
+        from engine.kernels.triton.decode import num_splits_for  # triton is imported only where it runs
+
+        kv_heads = self.kv_cache.shape[2]
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.kv_layers, self.block_size, max_num_seqs,
+                                   max_model_len, lambda b: num_splits_for(b, kv_heads, max_model_len, self.num_sms),
+                                   capture)
+        return self.graphs
 
     @property
     def num_blocks(self) -> int:
@@ -116,10 +129,21 @@ class ModelRunner:
 
     def _forward(self, model_inputs: tuple, num_sampled: int, sampling_seqs: list[Sequence], rows: list[int],
                  prompt_spans: list) -> StepLogits:
-        logits = self.model(*model_inputs)
+        input_ids, positions, meta, logits_indices = model_inputs
+        if self._replays(meta, logits_indices):
+            logits = self.graphs.run(input_ids, positions, meta)
+        else:
+            logits = self.model(*model_inputs)
         sampled, prompt = logits[:num_sampled], logits[num_sampled:]
         return StepLogits(sampling_seqs, sampled, rows, [PromptLogits(seq, first, prompt[offset : offset + count])
                                                          for seq, first, offset, count in prompt_spans if count])
+
+    def _replays(self, meta: AttentionMetadata, logits_indices: torch.Tensor) -> bool:
+        """Whether a captured graph runs this step: decodes only, each sampling one row, within the graphs' batch."""
+        graphs, decode = self.graphs, meta.decode
+        return (graphs is not None and decode is not None and meta.prefill_batch is None and not meta.prefills
+                and logits_indices.shape[0] == decode.size <= graphs.max_batch
+                and decode.block_tables.shape[1] <= graphs.block_tables.shape[1])
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -161,4 +185,6 @@ class ModelRunner:
         return DecodeBatch(tables, self._tensor(lens), self.block_size, self.decode_kernel, splits)
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        """Host values to the device without waiting for it: through pinned memory on CUDA."""
+        host = torch.tensor(values, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)

@@ -31,17 +31,16 @@ class OutputState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, device: torch.device):
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer  # the step thread's own: fast tokenizers are not shareable across threads
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.device = device
 
     def new_state(self, request: EngineRequest, grammar: Any) -> OutputState:
         params, token_ids = request.params, request.prompt_token_ids
         return OutputState(
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-            generator=make_generator(params, self.device),
+            generator=make_generator(params),
             max_tokens=request.max_tokens,
             logprobs=[] if params.logprobs is not None else None,
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,

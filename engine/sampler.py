@@ -13,11 +13,14 @@ CDF_BLOCK = 1024
 INVALID_TOKEN = -1  # a row whose logits are not finite, or leave no token with weight: the engine fails that request
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """Each sampled request owns its generator, so its draws never depend on the batch around it."""
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """Each sampled request owns its generator, so its draws never depend on the batch around it. It lives on the
+    host whatever the device: a draw is one number a token, and a CUDA generator would cost a device round trip
+    per sampled row per step (the step's draws go to the device together). The same seed gives the same stream
+    on every device."""
     if params.greedy:
         return None
-    generator = torch.Generator(device=device)
+    generator = torch.Generator()
     if params.seed is None:
         generator.seed()
     else:
@@ -139,8 +142,7 @@ class Sampler:
             weights[rows] = Sampler._nucleus(selected / selected.sum(-1, keepdim=True), top_p)
         if any(p.min_p > 0.0 for p in params):
             weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
-        draws = column([1.0 - float(torch.rand(1, generator=g, device=g.device)) if g is not None else 1.0
-                        for g in generators])
+        draws = column([1.0 - float(torch.rand(1, generator=g)) if g is not None else 1.0 for g in generators])
         verified = [i for i, d in enumerate(draft_token_ids or ()) if d is not None and not params[i].greedy]
         accepted = Sampler._verify_drafts(weights, draws, verified, [draft_token_ids[i] for i in verified]) if verified else None
         tokens, has_mass = inverse_cdf(weights, draws)

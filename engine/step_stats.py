@@ -9,6 +9,7 @@ import time
 import weakref
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
+DEVICE_PHASES = ("prepare", "forward", "sample")  # the ones that queue device work
 GENERATIONS = (0, 1, 2)
 # the keys of LLMEngine.stats() that `stats_of` fills, by phase or generation
 PHASE_KEY, GC_COLLECTIONS_KEY, GC_PAUSE_KEY = "step_seconds_{}", "gc_collections_gen{}", "gc_pause_seconds_gen{}"
@@ -16,18 +17,42 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class PhaseTimer:
-    """Seconds spent in each phase of the step, summed since the engine started."""
+    """Seconds spent in each phase of the step, summed since the engine started. With `cuda`, phases are timed by
+    CUDA events on the device's stream: the host returns from a forward long before the GPU finishes it, so a host
+    clock would put the forward's time under whichever phase waits for it first (the sampler's). Host-only phases
+keep the host clock: events between which the device runs nothing measure nothing."""
 
-    def __init__(self):
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+    def __init__(self, cuda: bool = False):
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._pending: list[tuple[str, object, object]] = []  # (phase, start event, end event) not yet read
+        self.cuda = cuda
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        if self.cuda and phase in DEVICE_PHASES:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((phase, start, end))
+            return
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[phase] += time.perf_counter() - start
+            self._seconds[phase] += time.perf_counter() - start
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """The totals, with every phase the device has finished since the last read."""
+        while self._pending and self._pending[0][2].query():
+            phase, start, end = self._pending.pop(0)
+            self._seconds[phase] += start.elapsed_time(end) / 1e3
+        return self._seconds
 
 
 class GcPauses:

@@ -10,12 +10,12 @@ LOGITS = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]])
 
 
 def draws(params: SamplingParams, n=300, logits=LOGITS, history=()):
-    sampler, g = Sampler(), make_generator(params, torch.device("cpu"))
+    sampler, g = Sampler(), make_generator(params)
     return [sampler(logits, [params], [g], [list(history)])[0][0] for _ in range(n)]
 
 
 def test_greedy_takes_the_argmax_without_a_generator():
-    assert make_generator(SamplingParams(temperature=0.0), torch.device("cpu")) is None
+    assert make_generator(SamplingParams(temperature=0.0)) is None
     assert set(draws(SamplingParams(temperature=0.0), n=5)) == {0}
 
 
@@ -35,7 +35,7 @@ def test_a_seed_fixes_the_draws_whatever_the_batch_around_it():
     params = SamplingParams(temperature=1.0, seed=42)
     alone = draws(params, n=20)
     sampler = Sampler()
-    mine, other = make_generator(params, torch.device("cpu")), make_generator(SamplingParams(temperature=1.0), torch.device("cpu"))
+    mine, other = make_generator(params), make_generator(SamplingParams(temperature=1.0))
     batch = torch.cat([torch.randn(1, VOCAB), LOGITS])
     in_batch = [sampler(batch, [SamplingParams(temperature=1.0), params], [other, mine], [[], []])[0][1] for _ in range(20)]
     assert alone == in_batch
@@ -56,7 +56,7 @@ def test_logit_bias_moves_tokens_and_bans_and_masks_exclude_them():
     allowed = torch.zeros(1, VOCAB, dtype=torch.bool)
     allowed[0, [3, 5]] = True
     params = SamplingParams(temperature=1.0, seed=4, logprobs=0)
-    g = make_generator(params, torch.device("cpu"))
+    g = make_generator(params)
     picks = [sampler(LOGITS, [params], [g], [[]], allowed=allowed) for _ in range(200)]
     assert {tokens[0] for tokens, _ in picks} == {3, 5}
     token, entry = picks[0][0][0], picks[0][1][0]
@@ -68,7 +68,7 @@ def test_a_row_with_nothing_allowed_is_invalid_and_its_batch_mates_are_not():
     allowed[0] = False
     for temperature in (0.0, 1.0):
         params = [SamplingParams(temperature=temperature, seed=1)] * 2
-        tokens, _ = Sampler()(LOGITS.repeat(2, 1), params, [make_generator(p, torch.device("cpu")) for p in params],
+        tokens, _ = Sampler()(LOGITS.repeat(2, 1), params, [make_generator(p) for p in params],
                               [[], []], allowed=allowed)
         assert tokens[0] == INVALID_TOKEN and 0 <= tokens[1] < VOCAB
 
@@ -100,7 +100,7 @@ def test_draws_follow_the_softmax_and_mixed_batches_keep_each_rows_knobs():
     sampler = Sampler()
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=2, seed=1),
               SamplingParams(temperature=1.0, top_p=0.5, seed=2), SamplingParams(temperature=1.0, seed=3)]
-    gens = [make_generator(p, torch.device("cpu")) for p in params]
+    gens = [make_generator(p) for p in params]
     rows = [sampler(LOGITS.repeat(4, 1), params, gens, [[]] * 4)[0] for _ in range(300)]
     assert {r[0] for r in rows} == {0} and {r[1] for r in rows} == {0, 1} and {r[2] for r in rows} == {0}
     assert len({r[3] for r in rows}) >= 4  # the unrestricted row is not clipped by its neighbours' masks
@@ -145,7 +145,7 @@ def test_every_sampled_id_is_in_the_vocabulary_whatever_the_logits_and_parameter
     if data.draw(st.booleans()):
         logits[0] = data.draw(st.sampled_from(SPECIAL))  # a whole row equal (or all NaN / inf)
     params = [data.draw(params_strategy) for _ in range(rows)]
-    generators = [make_generator(p, torch.device("cpu")) for p in params]
+    generators = [make_generator(p) for p in params]
     history = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=5)) for _ in range(rows)]
     tokens, logprobs = Sampler()(logits, params, generators, history)
     assert len(tokens) == rows
@@ -161,7 +161,7 @@ def test_finite_rows_always_get_a_token_even_at_extreme_temperatures():
     logits = torch.tensor([[0.0, 0.0, 0.0], [1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]])
     for temperature in (1e-40, 1e-5, 1.0, 1e6):
         params = [SamplingParams(temperature=temperature, seed=s) for s in range(3)]
-        tokens, _ = Sampler()(logits, params, [make_generator(p, torch.device("cpu")) for p in params], [[], [], []])
+        tokens, _ = Sampler()(logits, params, [make_generator(p) for p in params], [[], [], []])
         assert all(0 <= t < 3 for t in tokens), (temperature, tokens)
         assert tokens[1] == 0
 
@@ -183,7 +183,7 @@ def test_verifying_a_draft_keeps_the_rows_distribution(params, draft):
     n = 6000
     logits = LOGITS.repeat(n, 1)
     sampler = Sampler()
-    generator = make_generator(params, torch.device("cpu"))
+    generator = make_generator(params)
     with_draft = sampler(logits, [params] * n, [generator] * n, [[]] * n, draft_token_ids=[draft] * n)[0]
     plain = sampler(logits, [params] * n, [generator] * n, [[]] * n)[0]
     support = sorted(set(plain))
@@ -200,9 +200,9 @@ def test_a_greedy_row_ignores_its_draft_and_an_invalid_row_stays_invalid():
     assert sampler(LOGITS, [greedy], [None], [[]], draft_token_ids=[3])[0] == [0]
     params = SamplingParams(temperature=1.0, seed=1)
     nan = torch.full((1, VOCAB), float("nan"))
-    assert sampler(nan, [params], [make_generator(params, torch.device("cpu"))], [[]], draft_token_ids=[2])[0] == [INVALID_TOKEN]
+    assert sampler(nan, [params], [make_generator(params)], [[]], draft_token_ids=[2])[0] == [INVALID_TOKEN]
     banned = SamplingParams(temperature=1.0, seed=1, logit_bias={t: -100 for t in range(VOCAB)})
-    tokens = sampler(LOGITS, [banned], [make_generator(banned, torch.device("cpu"))], [[]], draft_token_ids=[2],
+    tokens = sampler(LOGITS, [banned], [make_generator(banned)], [[]], draft_token_ids=[2],
                      banned_token_ids=[set(range(VOCAB))])[0]
     assert tokens == [INVALID_TOKEN], "a row left with nothing to choose does not accept its draft"
 

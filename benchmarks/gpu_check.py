@@ -1,0 +1,351 @@
+"""The one prepared check for a GPU machine (`make gpu-check`): in one process tree and a few minutes, with no network
+and nothing but a copy of the tree, it proves the CUDA path and measures it.
+
+1. The environment: GPU, driver, torch, triton and transformers versions.
+2. `pytest -m gpu`: the engine's parity cases on CUDA (fp32 against transformers, every scheduling mode, Triton and
+   torch attention), speculative decoding, structured output, the Triton kernels against the torch path.
+3. A random Qwen2.5-1.5B-shaped bf16 model built on the device (no download), measured in one run: decode tok/s and
+   step time by batch, eager and in CUDA graphs; prefill of a 4k-token prompt; the same workload through HF
+   `generate` with static batches; kernels launched per decode step; the KV blocks chosen against free memory.
+
+Writes `gpu_check.json` and `gpu_check.log` under --out; exits non-zero on any failed check (a goal missed is
+reported, not failed). `--device cpu` runs the same code at toy sizes, with the Triton kernels under triton's
+interpreter: `make test` runs it, so what reaches a GPU has already run end to end.
+
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu-check
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import typer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+cli = typer.Typer(add_completion=False)
+
+
+@dataclass
+class Sizes:
+    """What is measured on each device: the GPU's shapes, or toys that finish in seconds on a CPU."""
+
+    model: dict
+    vocab_size: int
+    batches: list[int]
+    decode_steps: int
+    prompt_len: int
+    new_tokens: int
+    prefill_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int | None  # None: sized by profiling the device's free memory
+    tests: list[str] = field(default_factory=list)
+
+
+# Qwen2.5-1.5B-Instruct's config (as benchmarks/roofline.py): 28 layers, hidden 1536, MLP 8960, 12/2 heads of 128
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
+                 initializer_range=0.02)
+SIZES = {
+    # every case marked gpu, and the kernel tests (which run on CUDA where there is one); none needs the embedded model
+    "cuda": Sizes(QWEN_1_5B, 151936, [1, 32, 128, 256], 32, 128, 64, 4096, 256, 4096, None,
+                  ["tests/engine/kernels/test_triton_attention.py", "tests/engine/test_synthetic_models.py",
+                   "tests/engine/test_cuda_graphs.py", "-m", "gpu or not slow", "-p", "no:cacheprovider"]),
+    "cpu": Sizes(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1000000.0,
+                      tie_word_embeddings=True, initializer_range=0.02), 4096, [1, 4], 4, 32, 8, 256, 16, 256, 256,
+                 ["tests/engine/kernels/test_triton_attention.py", "-k", "mixed_step", "-p", "no:cacheprovider"]),
+}
+
+
+class Log:
+    """Each line to the terminal and to gpu_check.log, as it happens."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("w")
+
+    def __call__(self, message: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {message}"
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
+def environment(device: str) -> dict:
+    import torch
+    import transformers
+    import triton
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "device": device, "date": time.strftime("%Y-%m-%d")}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sm=f"{props.major}{props.minor}", sms=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda, driver=_driver())
+    else:
+        info.update(cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
+    return info
+
+
+def _driver() -> str | None:
+    try:
+        run = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return run.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_tests(args: list[str], log: Log, out: Path) -> dict:
+    """pytest in a child process; its output goes to pytest.log under --out."""
+    started = time.perf_counter()
+    with (out / "pytest.log").open("w") as sink:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", *args], cwd=ROOT, stdout=sink,
+                             stderr=subprocess.STDOUT, timeout=420)
+    tail = (out / "pytest.log").read_text().strip().splitlines()[-1:] or [""]
+    log(f"pytest {' '.join(args)}: exit {run.returncode}, {tail[0]}")
+    return {"args": args, "exit": run.returncode, "summary": tail[0], "seconds": round(time.perf_counter() - started, 1)}
+
+
+def build_model(device: str, sizes: Sizes, dtype, out: Path) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.fixtures.tiny_models import random_checkpoint
+
+    return random_checkpoint(out / "model", Qwen2ForCausalLM, Qwen2Config, sizes.model, sizes.vocab_size, device, dtype)
+
+
+def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (count, length), generator=generator).tolist()
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_rate(engine, device: str, batch: int, sizes: Sizes) -> dict:
+    """Step time and tok/s of decode steps with `batch` sequences running, prefill excluded."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=sizes.decode_steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for request_id, prompt in zip(ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch)):
+        engine.add_request(request_id, prompt, params)
+    while engine.counters["generation_tokens"] < batch or engine.stats()["num_waiting"]:  # every prompt prefilled
+        engine.step()
+    before = engine.counters["generation_tokens"]
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(sizes.decode_steps):
+        engine.step()
+    sync(device)
+    seconds = time.perf_counter() - started
+    tokens = engine.counters["generation_tokens"] - before
+    _finish(engine, ids)
+    return {"batch": batch, "step_ms": round(1e3 * seconds / sizes.decode_steps, 3), "tok_s": round(tokens / seconds, 1),
+            "tokens": tokens}
+
+
+def _finish(engine, ids: list[str]) -> None:
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def kernels_per_decode_step(engine, device: str, batch: int, sizes: Sizes) -> int | None:
+    """Kernels the GPU ran in one decode step at `batch`, counted by torch's profiler."""
+    if device != "cuda":
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    ids = [f"profile-{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for request_id, prompt in zip(ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 7)):
+        engine.add_request(request_id, prompt, params)
+    while engine.counters["generation_tokens"] < batch:
+        engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    _finish(engine, ids)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def prefill_time(engine, device: str, sizes: Sizes) -> dict:
+    """Time to the first token of one prompt of `prefill_tokens`, chunked at max_num_batched_tokens."""
+    from engine import SamplingParams
+
+    prompt = prompts(1, sizes.prefill_tokens, sizes.vocab_size, 11)[0]
+    engine.add_request("prefill", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    sync(device)
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    seconds = time.perf_counter() - started
+    return {"tokens": sizes.prefill_tokens, "seconds": round(seconds, 4), "tok_s": round(sizes.prefill_tokens / seconds, 1)}
+
+
+def engine_generate(llm, device: str, batch: int, sizes: Sizes) -> dict:
+    """The static workload end to end through the engine: `batch` prompts, `new_tokens` each."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=sizes.new_tokens, temperature=0.0, ignore_eos=True)
+    work = prompts(batch, sizes.prompt_len, sizes.vocab_size, 3)
+    sync(device)
+    started = time.perf_counter()
+    outputs = llm.generate(work, params, use_tqdm=False)
+    sync(device)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"batch": batch, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1), "tokens": tokens}
+
+
+def hf_static(path: str, device: str, dtype, batch: int, sizes: Sizes) -> dict:
+    """The same workload through transformers' `generate`, one static batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts(batch, sizes.prompt_len, sizes.vocab_size, 3), device=device)
+    with torch.inference_mode():
+        model.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)  # first-call costs
+        sync(device)
+        started = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sizes.new_tokens,
+                             min_new_tokens=sizes.new_tokens, do_sample=False, pad_token_id=0)
+        sync(device)
+    seconds = time.perf_counter() - started
+    tokens = (out.shape[1] - ids.shape[1]) * batch
+    del model
+    return {"batch": batch, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1), "tokens": tokens}
+
+
+def roofline_tok_s(info: dict, batch: int, sizes: Sizes) -> float | None:
+    """benchmarks/roofline.py's decode estimate for the GPU found, where it is one that table knows."""
+    from benchmarks.roofline import GPUS, estimate
+
+    name = info.get("gpu") or ""
+    match = next((spec for key, spec in GPUS.items() if key.split()[0] in name), None)
+    if match is None:
+        return None
+    return estimate(*match, batch, sizes.prompt_len, sizes.decode_steps * 2)["tok_s"]
+
+
+def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple[dict, list[str]]:
+    import torch
+
+    from engine import LLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    started = time.perf_counter()
+    path = build_model(device, sizes, dtype, out)
+    log(f"random {sizes.model['num_hidden_layers']}-layer model written in {time.perf_counter() - started:.0f} s")
+    results, failures = {"decode": {}, "goals": {}}, []
+    for mode, eager in (("eager", True), ("graphs", False)):
+        llm = LLM(model=path, device=device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=sizes.max_num_seqs,
+                  max_num_batched_tokens=sizes.max_num_batched_tokens, num_kv_blocks=sizes.num_kv_blocks, enforce_eager=eager,
+                  attention_backend="triton")
+        engine = llm.engine
+        if device == "cpu" and not eager:  # no graphs to capture: run their buffers eagerly, so the path is exercised
+            engine.runner.capture_graphs(sizes.max_num_seqs, engine.max_model_len, capture=False)
+        settings = engine.settings()
+        results.setdefault("settings", settings)
+        if settings["attention_backend"] != "triton":
+            failures.append(f"attention_backend is {settings['attention_backend']}, not triton")
+        results["decode"][mode] = [decode_rate(engine, device, batch, sizes) for batch in sizes.batches]
+        for row in results["decode"][mode]:
+            log(f"decode {mode} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s")
+            if row["tokens"] != row["batch"] * sizes.decode_steps:
+                failures.append(f"decode {mode} batch {row['batch']}: {row['tokens']} tokens")
+        if eager:
+            results["kernels_per_step"] = {b: kernels_per_decode_step(engine, device, b, sizes) for b in (1, sizes.batches[-1])}
+            results["prefill"] = prefill_time(engine, device, sizes)
+            log(f"kernels per decode step: {results['kernels_per_step']}; prefill {results['prefill']}")
+        else:
+            results["engine_static"] = engine_generate(llm, device, sizes.batches[-1], sizes)
+            results["kv"] = {"blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
+                             **_memory(device)}
+            results["graphs"] = settings.get("cuda_graphs")
+        del llm, engine
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    results["hf_static"] = hf_static(path, device, dtype, sizes.batches[-1], sizes)
+    log(f"static batch {sizes.batches[-1]}: engine {results['engine_static']['tok_s']} tok/s, "
+        f"HF generate {results['hf_static']['tok_s']} tok/s; KV {results['kv']}")
+    results["goals"] = goals(results, info, sizes)
+    return results, failures
+
+
+def _memory(device: str) -> dict:
+    import torch
+
+    if device != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"free_gib": round(free / 2**30, 2), "total_gib": round(total / 2**30, 2)}
+
+
+def goals(results: dict, info: dict, sizes: Sizes) -> dict:
+    """Issue 40's goals, each with the figures it was judged on (reported, not failed)."""
+    eager, graphs = results["decode"]["eager"], results["decode"]["graphs"]
+    biggest = sizes.batches[-1]
+    roof = roofline_tok_s(info, biggest, sizes)
+    engine_vs_hf = results["engine_static"]["tok_s"] / results["hf_static"]["tok_s"]
+    graphs_vs_eager = graphs[0]["tok_s"] / eager[0]["tok_s"]
+    return {
+        "engine_10x_hf_static": {"ratio": round(engine_vs_hf, 2), "met": engine_vs_hf >= 10},
+        "decode_50pct_roofline": {"tok_s": graphs[-1]["tok_s"], "roofline_tok_s": roof and round(roof),
+                                  "met": None if roof is None else graphs[-1]["tok_s"] >= 0.5 * roof},
+        "graphs_1_5x_eager_batch_1": {"ratio": round(graphs_vs_eager, 2), "met": graphs_vs_eager >= 1.5},
+    }
+
+
+@cli.command()
+def main(device: str = typer.Option("cuda", help="cuda, or cpu for toy sizes under triton's interpreter"),
+         out: Path = typer.Option(ROOT / "benchmarks" / "results" / "gpu-check", help="where the JSON and logs go"),
+         tests: bool = typer.Option(True, help="run the pytest step")):
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel: the CUDA path's kernels, on numpy
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out.mkdir(parents=True, exist_ok=True)
+    log, sizes = Log(out / "gpu_check.log"), SIZES[device]
+    info = environment(device)
+    log(f"environment: {info}")
+    report = {"environment": info, "failures": []}
+    if tests:
+        report["tests"] = run_tests(sizes.tests, log, out)
+        if report["tests"]["exit"] != 0:
+            report["failures"].append(f"pytest exit {report['tests']['exit']}: {report['tests']['summary']}")
+    results, failures = measure(device, sizes, info, log, out)
+    report.update(results)
+    report["failures"] += failures
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    log(f"goals: {json.dumps(report['goals'])}")
+    log(f"{'FAILED: ' + '; '.join(report['failures']) if report['failures'] else 'all checks passed'}; "
+        f"{out / 'gpu_check.json'}")
+    raise typer.Exit(1 if report["failures"] else 0)
+
+
+if __name__ == "__main__":
+    cli()

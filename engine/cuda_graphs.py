@@ -1,0 +1,99 @@
+"""Decode steps replayed from CUDA graphs, as nano-vllm's and vLLM's model runners do: one graph per batch-size
+bucket, captured at start-up over persistent input buffers, so a decode step is a handful of copies and one launch
+instead of about 40 kernel launches a layer from Python.
+
+A step of n sequences runs the smallest bucket b >= n; rows n..b are padding: slot -1 (the KV write skips it) and a
+one-token context (the attention reads one valid slot and its output is discarded). The attention's split count is
+fixed per bucket at capture (sized for the longest context the engine admits); each sequence's part size is worked
+out inside the kernel from its own length, so one graph serves any lengths.
+
+Where the device is not CUDA, `capture=False` runs the same buffers eagerly: how the tests check the buffer and
+padding logic on CPU (with the Triton kernels under triton's interpreter).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.layers.attention import AttentionMetadata, DecodeBatch
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to max_num_seqs (which is always a bucket)."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return buckets + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_cache: torch.Tensor, kv_layers, block_size: int, max_num_seqs: int,
+                 max_model_len: int, num_splits, capture: bool = True):
+        """`num_splits(batch)`: the attention's split count for a bucket."""
+        self.model = model
+        self.device = kv_cache.device
+        self.buckets = batch_buckets(max_num_seqs)
+        rows, width = self.buckets[-1], -(-max_model_len // block_size)
+        long = dict(dtype=torch.long, device=self.device)
+        self.input_ids = torch.zeros(rows, **long)
+        self.positions = torch.zeros(rows, **long)
+        self.slot_mapping = torch.full((rows,), -1, **long)
+        self.block_tables = torch.zeros((rows, width), **long)
+        self.context_lens = torch.ones(rows, **long)
+        self.sample_indices = torch.arange(rows, **long)
+        self.meta = {b: AttentionMetadata(kv_layers, self.slot_mapping[:b], DecodeBatch(
+            self.block_tables[:b], self.context_lens[:b], block_size, None, num_splits(b)), [], None, kv_cache,
+            triton=True) for b in self.buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0
+        if capture:
+            self._capture()
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Largest bucket first, all in one memory pool (each smaller graph reuses the largest one's memory)."""
+        before = torch.cuda.memory_allocated(self.device)
+        pool = None
+        for b in tqdm(list(reversed(self.buckets)), desc="capturing decode CUDA graphs", unit="graph"):
+            self._forward(b)  # the first call compiles the Triton kernels for this shape, outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = self._forward(b)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
+        log.info("captured %d decode CUDA graphs (batches %s), %.0f MB", len(self.graphs), self.buckets,
+                 self.memory_bytes / 1e6)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.input_ids[:b], self.positions[:b], self.meta[b], self.sample_indices[:b])
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step of n <= max_batch sequences -> logits [n, vocab] (a view of the graph's output: valid
+        until the next step)."""
+        decode = meta.decode
+        n, width = decode.size, decode.block_tables.shape[1]
+        b = self.bucket(n)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.block_tables[:n, :width].copy_(decode.block_tables, non_blocking=True)
+        self.context_lens[:n].copy_(decode.context_lens, non_blocking=True)
+        self.slot_mapping[n:b].fill_(-1)  # rows a larger step left behind are padding again
+        self.context_lens[n:b].fill_(1)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.logits[b][:n]
+        return self._forward(b)[:n]

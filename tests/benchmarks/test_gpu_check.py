@@ -1,0 +1,43 @@
+"""`make gpu-check` runs end to end on CPU at toy sizes (the Triton kernels under triton's interpreter), so what
+reaches a GPU machine has run; and what travels there (the tree plus `make gpu-wheels`) fits its 64 MiB copy."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE_COPY_LIMIT = 64 << 20
+
+
+def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
+    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["failures"] == [] and report["tests"]["exit"] == 0, report
+    assert "2 passed" in report["tests"]["summary"]
+    assert report["settings"]["attention_backend"] == "triton"
+    for mode in ("eager", "graphs"):
+        assert [row["batch"] for row in report["decode"][mode]] == [1, 4]
+        assert all(row["tokens"] == row["batch"] * 4 and row["tok_s"] > 0 for row in report["decode"][mode])
+    assert report["engine_static"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
+    assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
+    assert set(report["goals"]) == {"engine_10x_hf_static", "decode_50pct_roofline", "graphs_1_5x_eager_batch_1"}
+    assert "all checks passed" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_the_tree_and_its_gpu_wheels_fit_the_device_copy():
+    """What `make gpu-wheels` downloads, plus every file git would send (tracked and untracked, not ignored)."""
+    make = subprocess.run(["make", "-s", "gpu-wheels"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert make.returncode == 0, make.stderr[-2000:]
+    wheels = ROOT / ".whl"
+    names = {p.name.split("-")[0].lower() for p in wheels.glob("*.whl")}
+    assert {"pydantic", "pydantic_core", "msgspec", "pyzmq", "llguidance"} <= names, names
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    tree = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())
+    shipped = sum(p.stat().st_size for p in wheels.glob("*.whl"))
+    assert tree + shipped < DEVICE_COPY_LIMIT, f"tree {tree >> 20} MiB + wheels {shipped >> 20} MiB"
