@@ -4,7 +4,8 @@ and nothing but a copy of the tree, it proves the CUDA path and measures it.
 1. The environment: GPU, driver, torch, triton and transformers versions.
 2. `pytest -m gpu`: the engine's parity cases on CUDA (fp32 against transformers, every scheduling mode, Triton and
    torch attention), speculative decoding, structured output, the Triton kernels against the torch path.
-3. A random Qwen2.5-1.5B-shaped bf16 model built on the device (no download), measured in one run: decode tok/s and
+3. The attention kernels alone against the GPU's peak (`benchmarks/triton_attention.py`).
+4. A random Qwen2.5-1.5B-shaped bf16 model built on the device (no download), measured in one run: decode tok/s and
    step time by batch, eager and in CUDA graphs; prefill of a 4k-token prompt; the same workload through HF
    `generate` with static batches; kernels launched per decode step; the KV blocks chosen against free memory.
 
@@ -291,6 +292,11 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
         if device == "cuda":
             torch.cuda.empty_cache()
     results["hf_static"] = hf_static(path, device, dtype, sizes.batches[-1], sizes)
+    from benchmarks.triton_attention import measure_kernels
+
+    _, results["attention_kernels"] = measure_kernels(device)
+    for row in results["attention_kernels"]:
+        log(f"attention kernel: {row}")
     log(f"static batch {sizes.batches[-1]}: engine {results['engine_static']['tok_s']} tok/s, "
         f"HF generate {results['hf_static']['tok_s']} tok/s; KV {results['kv']}")
     results["goals"] = goals(results, info, sizes)

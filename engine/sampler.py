@@ -10,6 +10,7 @@ from engine.sampling_params import SamplingParams
 
 NUCLEUS_CANDIDATES = 1024
 CDF_BLOCK = 1024
+PROMPT_LOGPROB_ROWS = 256  # prompt logprobs are worked in chunks of this many rows (each an fp32 [rows, vocab])
 INVALID_TOKEN = -1  # a row whose logits are not finite, or leave no token with weight: the engine fails that request
 
 
@@ -186,14 +187,20 @@ class Sampler:
 
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
-        """Per row, the logprob of its target token and of the `top` most likely, from the model's own logits."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
-        entries = [{token: value} for token, value in zip(targets, chosen)]
-        if top:
-            best = logprobs.topk(top, dim=-1)
-            for entry, ids, values in zip(entries, best.indices.tolist(), best.values.tolist()):
-                entry.update(zip(ids, values))
+        """Per row, the logprob of its target token and of the `top` most likely, from the model's own logits; in
+        chunks of PROMPT_LOGPROB_ROWS, so the fp32 log-softmax of a long chunk costs a bounded [rows, vocab]."""
+        entries: list[dict[int, float]] = []
+        for start in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
+            rows = logits[start : start + PROMPT_LOGPROB_ROWS]
+            logprobs = torch.log_softmax(rows.float(), dim=-1)
+            chunk_targets = targets[start : start + rows.shape[0]]
+            chosen = logprobs.gather(1, torch.tensor(chunk_targets, device=logits.device)[:, None]).squeeze(1).tolist()
+            chunk = [{token: value} for token, value in zip(chunk_targets, chosen)]
+            if top:
+                best = logprobs.topk(top, dim=-1)
+                for entry, ids, values in zip(chunk, best.indices.tolist(), best.values.tolist()):
+                    entry.update(zip(ids, values))
+            entries += chunk
         return entries
 
     @staticmethod

@@ -11,13 +11,11 @@ text back into calls. SmolLM2's own tuning wraps a JSON list in the same tags, w
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from engine.structured_output import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 ANY_OBJECT = {"type": "object"}
 
 
@@ -42,12 +40,14 @@ def as_text(tool_calls: list[dict]) -> str:
     blocks = []
     for call in tool_calls:
         function = call["function"]
-        arguments = function.get("arguments") or "{}"
+        raw = function.get("arguments") or "{}"
         try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            pass  # kept as the string the client sent
-        blocks.append(f"{OPEN}\n{json.dumps({'name': function['name'], 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}")
+            arguments = json.loads(raw) if isinstance(raw, str) else raw
+            text = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+        except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the parser's depth: kept as sent
+            text = json.dumps({"name": function["name"], "arguments": raw if isinstance(raw, str) else "{}"},
+                              ensure_ascii=False)
+        blocks.append(f"{OPEN}\n{text}\n{CLOSE}")
     return "\n".join(blocks)
 
 
@@ -70,10 +70,10 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a model's output: the text before the first call is the content (None if blank). Output
     with no well-formed call is all content, with no calls."""
     calls = []
-    for match in BLOCK.finditer(text):
+    for block in _blocks(text):
         try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError:
+            payload = json.loads(block)
+        except (json.JSONDecodeError, RecursionError):  # nesting past the parser's depth is no call either
             return text, []
         for item in payload if isinstance(payload, list) else [payload]:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
@@ -84,6 +84,19 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     content = text[: text.index(OPEN)].strip()
     return content or None, calls
+
+
+def _blocks(text: str):
+    """The stripped text between each opening tag and the next closing one. str.find, not a regex: a lazy group
+    between `\s*`s backtracks quadratically over a long run of whitespace with no closing tag, and the output is
+    the model's, which a client can steer (logit_bias)."""
+    start = 0
+    while (opening := text.find(OPEN, start)) != -1:
+        closing = text.find(CLOSE, opening + len(OPEN))
+        if closing == -1:
+            return
+        yield text[opening + len(OPEN) : closing].strip()
+        start = closing + len(CLOSE)
 
 
 def safe_content_length(text: str) -> int:

@@ -113,7 +113,7 @@ class SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value is not None and not all(key.isdigit() for key in value):
+        if value is not None and not all(key.isascii() and key.isdigit() for key in value):  # "²" is a digit to Python
             raise PydanticCustomError("token_id", "keys must be token ids, written as strings of digits", {})
         return value
 
@@ -129,6 +129,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, description="16 when omitted, as OpenAI's and vLLM's completions")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1)

@@ -25,6 +25,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         assert all(row["tokens"] == row["batch"] * 4 and row["tok_s"] > 0 for row in report["decode"][mode])
     assert report["engine_static"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
     assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
+    assert len(report["attention_kernels"]) == 5
     assert set(report["goals"]) == {"engine_10x_hf_static", "decode_50pct_roofline", "graphs_1_5x_eager_batch_1"}
     assert "all checks passed" in (tmp_path / "gpu_check.log").read_text()
 
@@ -41,3 +42,13 @@ def test_the_tree_and_its_gpu_wheels_fit_the_device_copy():
     tree = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())
     shipped = sum(p.stat().st_size for p in wheels.glob("*.whl"))
     assert tree + shipped < DEVICE_COPY_LIMIT, f"tree {tree >> 20} MiB + wheels {shipped >> 20} MiB"
+
+
+def test_the_attention_kernel_benchmark_runs_on_cpu(tmp_path):
+    out = tmp_path / "kernels.json"
+    run = subprocess.run([sys.executable, "benchmarks/triton_attention.py", "--device", "cpu", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["decode"] * 4 + ["prefill"] and all(r["us"] > 0 for r in rows)
+    assert {r["splits"] for r in rows} == {1, 2}, "the split-K path ran"

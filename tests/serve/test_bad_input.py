@@ -56,6 +56,7 @@ CASES = [
     ("suffix is refused by name", "POST", COMPLETIONS, comp(suffix="end"), {}, 400, "suffix"),
     ("best_of other than n", "POST", COMPLETIONS, comp(best_of=3), {}, 400, "best_of"),
     ("logit_bias key not a token id", "POST", CHAT, chat(logit_bias={"hello": 5}), {}, 400, "logit_bias"),
+    ("logit_bias key a non-ASCII digit", "POST", CHAT, chat(logit_bias={"²": 5}), {}, 400, "logit_bias"),
     ("logit_bias value out of range", "POST", CHAT, chat(logit_bias={"42": 500}), {}, 400, "logit_bias"),
     ("logit_bias token outside vocabulary", "POST", CHAT, chat(logit_bias={"99999999": 1}), {}, 400, "vocabulary"),
     ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), {}, 400, "top_logprobs"),

@@ -121,3 +121,18 @@ def test_a_cache_salt_keeps_prefix_cache_blocks_apart(base_url, auth, replica_ha
     assert hits_after("tenant-b") == 0, "another tenant's salt must not hit tenant-a's blocks"
     assert hits_after(None) == 0, "an unsalted request must not hit (or time) a salted prompt"
     assert hits_after("tenant-a") >= 100, "the same salt shares its blocks"
+
+
+def test_tool_call_arguments_nested_past_the_parsers_depth_are_kept_as_text_not_a_500(base_url, auth):
+    """An assistant turn's `arguments` nested 5,000 deep: json.loads raises RecursionError (not JSONDecodeError),
+    which was a 500. Now the string goes to the template as the client sent it."""
+    deep = "[" * 5000 + "]" * 5000
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "ok"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = httpx.post(base_url + CHAT, json={"messages": messages, "tools": tools, "max_tokens": 4}, headers=auth, timeout=120)
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert "context" in r.json()["error"]["message"], r.text

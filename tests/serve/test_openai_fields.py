@@ -64,3 +64,11 @@ def test_each_field_gets_its_documented_outcome(base_url, auth, field, endpoint,
         assert r.status_code == 200 and "error" not in content, (field, content)
     else:
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, content)
+
+
+def test_completions_without_max_tokens_stop_at_16_as_openais_do(base_url, auth):
+    r = httpx.post(base_url + PATHS["completions"], json={"prompt": "Once upon a time", "ignore_eos": True},
+                   headers=auth, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length", body

@@ -213,3 +213,20 @@ def test_a_repetition_penalty_small_enough_to_overflow_the_logits_is_refused_by_
         SamplingParams(repetition_penalty=1.7e-149).validate()
     assert refused.value.param == "repetition_penalty"
     SamplingParams(repetition_penalty=0.01).validate()
+
+
+def test_prompt_logprobs_in_chunks_equal_one_log_softmax_over_all_rows():
+    from engine.sampler import PROMPT_LOGPROB_ROWS
+
+    generator = torch.Generator().manual_seed(0)
+    rows = 2 * PROMPT_LOGPROB_ROWS + 37  # three chunks, the last partial
+    logits = torch.randn(rows, 50, generator=generator)
+    targets = torch.randint(0, 50, (rows,), generator=generator).tolist()
+    entries = Sampler.prompt_logprobs(logits, targets, top=3)
+    reference = torch.log_softmax(logits, dim=-1)
+    assert len(entries) == rows
+    for row in (0, PROMPT_LOGPROB_ROWS - 1, PROMPT_LOGPROB_ROWS, rows - 1):
+        best = reference[row].topk(3)
+        expected = {targets[row]: reference[row, targets[row]].item(), **dict(zip(best.indices.tolist(), best.values.tolist()))}
+        assert entries[row].keys() == expected.keys()
+        assert all(abs(entries[row][t] - expected[t]) < 1e-6 for t in expected)

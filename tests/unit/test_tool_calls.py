@@ -37,3 +37,21 @@ def test_a_stream_holds_back_only_what_could_start_a_call():
 def test_written_calls_read_back_the_same():
     calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1, 2]}'}}]
     assert parse(tool_calls.as_text(calls))[1] == [ToolCall("f", '{"a": [1, 2]}')]
+
+
+def test_a_long_run_of_whitespace_after_an_unclosed_tag_parses_in_linear_time():
+    """The old regex (`<tool_call>\\s*(.*?)\\s*</tool_call>`) backtracked quadratically here, holding the GIL: 200,000
+    spaces took hours. A child process gets a generous 20 s; str.find takes milliseconds."""
+    import subprocess
+    import sys
+
+    code = ("from engine.tool_calls import parse; t = '<tool_call>' + ' ' * 200_000 + 'x'; "
+            "assert parse(t) == (t, []); print('parsed')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert run.stdout.strip() == "parsed", run.stderr
+
+
+def test_an_assistant_turn_with_arguments_nested_too_deep_keeps_them_as_sent():
+    deep = "[" * 5000 + "]" * 5000
+    text = tool_calls.as_text([{"function": {"name": "f", "arguments": deep}}])
+    assert json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == {"name": "f", "arguments": deep}

@@ -1,0 +1,140 @@
+"""The Triton attention kernels alone, against the GPU's peak: decode at batch 1/32/256 and contexts 256/2k/32k, and
+a 4k-token prefill, Qwen2.5-1.5B's attention shape (12 query heads, 2 KV heads of 128, bf16). Each sequence's blocks
+are scattered over the pool. Decode is judged by the bytes it must read (every K and V of every context, once, and
+nothing padded: the kernel reads the pool in place) per second; prefill by its causal FLOPs per second.
+
+python benchmarks/triton_attention.py                 # on the GPU
+python benchmarks/triton_attention.py --device cpu    # toy shapes under triton's interpreter: the script itself runs
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+cli = typer.Typer(add_completion=False)
+PEAKS = {"H100": (3350, 989), "H200": (4800, 989), "A100": (2039, 312), "L4": (300, 121), "L40S": (864, 362)}  # GB/s, TFLOP/s
+
+
+def peak_of(name: str) -> tuple[float, float] | None:
+    return next((peak for key, peak in PEAKS.items() if key in name), None)
+
+
+def scattered_pool(batch: int, context: int, kv_heads: int, head_dim: int, block_size: int, dtype, device):
+    import torch
+
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq + 1
+    generator = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator).to(device, dtype) for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=generator)[: batch * per_seq].view(batch, per_seq).to(device)
+    return k, v, tables
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    """Median seconds of one call, after a warm-up (the first call compiles)."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, device,
+                num_sms: int, repeats: int) -> dict:
+    import torch
+
+    from engine.kernels.triton.decode import decode_attention, num_splits_for
+
+    k, v, tables = scattered_pool(batch, context, kv_heads, head_dim, block_size, dtype, device)
+    query = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    lens = torch.full((batch,), context, device=device)
+    splits = num_splits_for(batch, kv_heads, context, num_sms)
+    seconds = timed(lambda: decode_attention(query, k, v, tables, lens, head_dim**-0.5, splits), device, repeats)
+    read = 2 * batch * context * kv_heads * head_dim * k.element_size()  # K and V of each context, once
+    return {"kind": "decode", "batch": batch, "context": context, "splits": splits, "us": round(seconds * 1e6, 1),
+            "gb_s": round(read / seconds / 1e9, 1)}
+
+
+def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, device,
+                 repeats: int) -> dict:
+    import torch
+
+    from engine.kernels.triton.prefill import prefill_attention
+
+    k, v, tables = scattered_pool(1, tokens, kv_heads, head_dim, block_size, dtype, device)
+    query = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+    starts, lens = torch.tensor([0, tokens], device=device), torch.tensor([tokens], device=device)
+    seconds = timed(lambda: prefill_attention(query, k, v, tables, starts, lens, tokens, head_dim**-0.5), device, repeats)
+    flops = 2 * 2 * heads * head_dim * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
+    return {"kind": "prefill", "batch": 1, "context": tokens, "splits": 1, "us": round(seconds * 1e6, 1),
+            "tflop_s": round(flops / seconds / 1e12, 2)}
+
+
+def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
+    """(device name, rows): the decode grid and the prefill, each with its share of the device's peak if known."""
+    import torch
+
+    heads, kv_heads, head_dim, block_size, dtype = 12, 2, 128, 16, torch.bfloat16
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        name, num_sms = props.name, props.multi_processor_count
+        batches, contexts, prefill, repeats = (1, 32, 256), (256, 2048, 32768), 4096, repeats
+    else:
+        name, num_sms = "cpu (interpreter)", 4
+        batches, contexts, prefill, repeats = (1, 4), (64, 300), 96, 1
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            if batch * context * kv_heads * head_dim * 4 > 8 << 30:  # K+V over 8 GiB: batch 256 at 32k
+                continue
+            rows.append(decode_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, device, num_sms, repeats))
+    rows.append(prefill_case(prefill, heads, kv_heads, head_dim, block_size, dtype, device, repeats))
+    peak = peak_of(name)
+    for row in rows:
+        if peak is not None:
+            row["of_peak"] = round(row["gb_s"] / peak[0] if "gb_s" in row else row["tflop_s"] / peak[1], 3)
+    return name, rows
+
+
+@cli.command()
+def main(device: str = typer.Option("cuda", help="cuda, or cpu: toy shapes under triton's interpreter"),
+         out: Path | None = typer.Option(None, help="a JSON file for the rows"), repeats: int = 10):
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel
+    name, rows = measure_kernels(device, repeats)
+    heads, kv_heads, head_dim, block_size = 12, 2, 128, 16
+    table = Table(title=f"Triton attention on {name}: {heads}/{kv_heads} heads of {head_dim}, bf16, blocks of {block_size}")
+    for column in ("kind", "batch", "context", "splits", "us", "GB/s or TFLOP/s", "of peak"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        rate = row.get("gb_s", row.get("tflop_s"))
+        table.add_row(row["kind"], str(row["batch"]), str(row["context"]), str(row["splits"]), f"{row['us']:,.1f}",
+                      str(rate), f"{row['of_peak']:.0%}" if "of_peak" in row else "-")
+    Console().print(table)
+    if out is not None:
+        out.write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    cli()
