@@ -142,12 +142,9 @@ def decode_rate(engine, device: str, batch: int, sizes: Sizes) -> dict:
     """Step time and tok/s of decode steps with `batch` sequences running, prefill excluded."""
     from engine import SamplingParams
 
-    params = SamplingParams(max_tokens=sizes.decode_steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=sizes.decode_steps + 64, temperature=0.0, ignore_eos=True)  # none ends early
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
-    for request_id, prompt in zip(ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch)):
-        engine.add_request(request_id, prompt, params)
-    while engine.counters["generation_tokens"] < batch or engine.stats()["num_waiting"]:  # every prompt prefilled
-        engine.step()
+    _start(engine, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch), params)
     before = engine.counters["generation_tokens"]
     sync(device)
     started = time.perf_counter()
@@ -159,6 +156,15 @@ def decode_rate(engine, device: str, batch: int, sizes: Sizes) -> dict:
     _finish(engine, ids)
     return {"batch": batch, "step_ms": round(1e3 * seconds / sizes.decode_steps, 3), "tok_s": round(tokens / seconds, 1),
             "tokens": tokens}
+
+
+def _start(engine, ids: list[str], work: list[list[int]], params) -> None:
+    """Add the requests and step until every one has its first token (the engine's counters run on across calls)."""
+    first_tokens = engine.counters["generation_tokens"] + len(ids)
+    for request_id, prompt in zip(ids, work):
+        engine.add_request(request_id, prompt, params)
+    while engine.counters["generation_tokens"] < first_tokens or engine.stats()["num_waiting"]:
+        engine.step()
 
 
 def _finish(engine, ids: list[str]) -> None:
@@ -179,10 +185,7 @@ def kernels_per_decode_step(engine, device: str, batch: int, sizes: Sizes) -> in
 
     ids = [f"profile-{i}" for i in range(batch)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for request_id, prompt in zip(ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 7)):
-        engine.add_request(request_id, prompt, params)
-    while engine.counters["generation_tokens"] < batch:
-        engine.step()
+    _start(engine, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 7), params)
     engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

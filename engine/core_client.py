@@ -58,6 +58,16 @@ class RequestTotals:
                              out.num_cached_tokens, self.prompt_logprobs)
 
 
+def core_environment(env) -> dict[str, str]:
+    """The core's environment: the caller's, less the secrets it has no use for (the serving key, Ray's token, any
+    *_API_KEY, *SECRET*, *PASSWORD*), with glibc's heap on huge pages. Hub tokens stay: the core loads the weights."""
+    def withheld(name: str) -> bool:
+        upper = name.upper()
+        return upper.endswith("API_KEY") or "SECRET" in upper or "PASSWORD" in upper or upper.startswith("RAY_AUTH_TOKEN")
+
+    return with_huge_page_heap({name: value for name, value in env.items() if not withheld(name)})
+
+
 class ProcessCore:
     def __init__(self, config: EngineConfig, deliver: Deliver, on_death: Callable[[str], None]):
         self.config = config
@@ -74,7 +84,7 @@ class ProcessCore:
         self._closing = False
         self.dead_reason: str | None = None
         self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process"], stdin=subprocess.PIPE,
-                                        env=with_huge_page_heap(os.environ))
+                                        env=core_environment(os.environ))
         setup = CoreSetup(config.model_dump_json(), f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
         self.process.stdin.write(msgspec.json.encode(setup) + b"\n")
         self.process.stdin.flush()

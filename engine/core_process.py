@@ -11,12 +11,13 @@ import os
 import shutil
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core_messages import CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup
+from engine.core_messages import CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest
 from engine.errors import EngineOverloadedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import RecordingSink, StepMetrics
@@ -24,6 +25,7 @@ from engine.sequence import RequestMetrics, RequestOutput
 
 log = logging.getLogger("engine.core")
 IDLE_POLL_MS = 500
+COMPILE_POLL_MS = 5  # how often an otherwise idle loop looks for a finished grammar
 
 
 def main() -> int:
@@ -41,6 +43,7 @@ def main() -> int:
     try:
         engine = LLMEngine(EngineConfig.model_validate_json(setup.config_json))
         engine.warm_up()  # before answering ready
+        engine.grammars.warm_up()  # llguidance's tokenizer: about a second, not paid by the first structured request
     except Exception as exc:
         log.exception("the engine core could not start")
         outputs.send(encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
@@ -77,19 +80,26 @@ class CoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.refused: list[CoreOutput] = []  # requests the engine would not take, answered with the next message
         self.metrics_sink: RecordingSink | None = None
+        # Grammars compile on a thread of their own: a request whose grammar is new waits there, not in a step, so
+        # a client sending a new schema each time stalls no one else's decoding (as vLLM's requests wait for their
+        # FSM). llguidance drops the interpreter lock while it compiles.
+        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile", initializer=_lowest_priority)
+        self.compiling: list[tuple[EngineRequest, Future]] = []
 
     def run(self) -> None:
         while True:
-            for message in self._receive(wait=not (self.engine.has_unfinished_requests() or self.refused)):
+            busy = self.engine.has_unfinished_requests() or self.refused
+            for message in self._receive(timeout=0 if busy else COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS):
                 if message.shutdown:
                     return
                 self._apply(message)
+            self._admit_compiled()
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
             self._send([*self.refused, *map(to_core_output, outputs)])
             self.refused = []
 
-    def _receive(self, wait: bool) -> list[CoreInputs]:
-        messages, timeout = [], IDLE_POLL_MS if wait else 0
+    def _receive(self, timeout: int) -> list[CoreInputs]:
+        messages = []
         while self.inputs.poll(timeout):
             messages.append(self.decoder.decode(self.inputs.recv()))
             timeout = 0
@@ -100,14 +110,32 @@ class CoreLoop:
             self.metrics_sink = RecordingSink()
             self.engine.attach_metrics(StepMetrics(self.metrics_sink, message.metrics_model_name))
         for request in message.requests:
-            try:
-                self.engine.add_engine_request(request)
-            except Exception as exc:  # the front end checks first; this is the rare race, never a lost request
-                reason = str(exc) if isinstance(exc, EngineOverloadedError) else f"{type(exc).__name__}: {exc}"
-                self.refused.append(CoreOutput(request.request_id, "", [], RequestMetrics(request.arrival_time),
-                                               "abort", f"the engine refused the request: {reason}"))
-        for request_id in message.aborts:
+            spec = request.params.structured_output
+            if spec is not None and not self.engine.grammars.is_compiled(spec):
+                self.compiling.append((request, self.compiler.submit(self.engine.grammars.prepare, spec)))
+            else:
+                self._add(request)
+        aborted = set(message.aborts)
+        for entry in [entry for entry in self.compiling if entry[0].request_id in aborted]:
+            self.compiling.remove(entry)  # never reached the engine: it finishes here
+            self.refused.append(CoreOutput(entry[0].request_id, "", [], RequestMetrics(entry[0].arrival_time), "abort"))
+        for request_id in aborted:
             self.engine.abort(request_id)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is now compiled join the engine (a copy of the compiled matcher each)."""
+        ready = [entry for entry in self.compiling if entry[1].done()]
+        for request, compiled in ready:
+            self.compiling.remove((request, compiled))
+            self._add(request)  # a grammar that failed to compile fails again here, as this request's refusal
+
+    def _add(self, request: EngineRequest) -> None:
+        try:
+            self.engine.add_engine_request(request)
+        except Exception as exc:  # the front end checks first; this is the rare race, never a lost request
+            reason = str(exc) if isinstance(exc, EngineOverloadedError) else f"{type(exc).__name__}: {exc}"
+            self.refused.append(CoreOutput(request.request_id, "", [], RequestMetrics(request.arrival_time),
+                                           "abort", f"the engine refused the request: {reason}"))
 
     def stats(self) -> dict[str, float]:
         return {**self.engine.stats(), "metrics_share_of_step": self.engine.metrics_share_of_step,
@@ -116,6 +144,15 @@ class CoreLoop:
     def _send(self, outputs: list[CoreOutput]) -> None:
         updates = self.metrics_sink.take() if self.metrics_sink is not None else []
         self.outputs.send(self.encoder.encode(CoreOutputs(outputs, self.stats(), updates)))
+
+
+def _lowest_priority() -> None:
+    """Nice 19 for the calling thread (Linux nices threads one by one): a compile must not take a core from the
+    step's OpenMP threads, where one preempted thread holds up all the others at the next barrier."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def to_core_output(out: RequestOutput) -> CoreOutput:

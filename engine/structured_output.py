@@ -15,6 +15,12 @@ import torch
 from engine.errors import EngineInputError
 from engine.sampling_params import StructuredOutput
 
+# Bounds on what one grammar may cost (llguidance's defaults allow 14 ms of lexer work per token and row): a client's
+# schema taxes every step its request is in, so each mask step gets about 3 ms at most. verbose_errors off: error
+# messages would quote the schema into logs.
+LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=50_000, step_max_items=20_000, max_grammar_size=100_000,
+              verbose_errors=False)
+
 # json.dumps's separators: what models write unprompted. Fixed whitespace also keeps a small model from looping on
 # newlines inside an object, which flexible whitespace allows.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -32,32 +38,44 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._ll_tokenizer = None  # built on first use: it takes about a second
         self._templates: OrderedDict[str, object] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._tokenizer_lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutput):
         """A fresh matcher at the start of `spec`'s grammar; EngineInputError if the schema cannot compile."""
         return self.prepare(spec).deep_copy()
 
+    def is_compiled(self, spec: StructuredOutput) -> bool:
+        with self._lock:
+            return spec.key in self._templates
+
+    def warm_up(self) -> None:
+        """Build llguidance's view of the tokenizer (about a second, much of it holding the interpreter lock) and
+        import its torch helpers (0.2 s), so that no request pays for them in a step while others wait."""
+        import llguidance.torch  # noqa: F401
+
+        self._tokenizer()
+
     def prepare(self, spec: StructuredOutput):
-        """Compile `spec` into the cache, if it is not there yet (up to a second for a large schema: callers that
-        must not block call this on a worker thread first), and return its template matcher."""
+        """Compile `spec` into the cache, if it is not there yet (tens of ms, up to a second for a large schema:
+        callers that must not block call this on a worker thread first), and return its template matcher. The lock
+        guards the cache only, never a compile: a step loop asking `is_compiled` must not wait for one."""
         with self._lock:
             template = self._templates.get(spec.key)
-            if template is None:
-                template = self._compile(spec)
-                self._templates[spec.key] = template
-                if len(self._templates) > self.cache_size:
-                    self._templates.popitem(last=False)
-            else:
+            if template is not None:
                 self._templates.move_to_end(spec.key)
-            return template
+                return template
+        template = self._compile(spec)  # two threads may compile one spec at once; either result serves
+        with self._lock:
+            self._templates[spec.key] = template
+            if len(self._templates) > self.cache_size:
+                self._templates.popitem(last=False)
+        return template
 
     def _compile(self, spec: StructuredOutput):
-        import llguidance.hf
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+        tokenizer, limits = self._tokenizer(), LLParserLimits(**LIMITS)
         try:
             if spec.grammar is not None:
                 grammar = LLMatcher.grammar_from_lark(spec.grammar)
@@ -65,10 +83,22 @@ class GrammarCompiler:
                 grammar = LLMatcher.grammar_from_json_schema(spec.json_schema or ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise EngineInputError(f"response_format: the JSON schema is not valid JSON ({exc})", "response_format")
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=limits)
         if is_error:
             raise EngineInputError(f"response_format: the constraint cannot be compiled: {messages[0]}", "response_format")
-        return LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)  # drops the interpreter lock as it builds
+        if matcher.is_error():
+            raise EngineInputError(f"response_format: the constraint cannot be compiled: {matcher.get_error()}",
+                                   "response_format")
+        return matcher
+
+    def _tokenizer(self):
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+            return self._ll_tokenizer
 
 
 def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> torch.Tensor | None:
@@ -82,5 +112,7 @@ def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> tor
     for row, matcher in enumerate(matchers):
         if matcher is not None:
             fill_next_token_bitmask(matcher, bitmask, row)
-    bits = (bitmask[:, :, None] >> BITS) & 1
-    return bits.view(len(matchers), -1)[:, :vocab_size].bool().to(device, non_blocking=True)  # built on the host
+    if device.type != "cpu":  # the packed words cross to the device (32x smaller than the mask), unpacked there
+        bitmask = bitmask.pin_memory().to(device, non_blocking=True)
+    bits = (bitmask[:, :, None] >> BITS.to(device, non_blocking=True)) & 1
+    return bits.view(len(matchers), -1)[:, :vocab_size].bool()

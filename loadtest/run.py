@@ -41,13 +41,12 @@ def run_locust(url: str, out: Path, label: str, users: int, rate: float, arrival
            "--html", str(out / f"{label}.html"), "--only-summary", "--loglevel", "WARNING",
            "--max-tokens", str(max_tokens), "--stream-share", str(stream_share), "--records-file", str(records),
            "--rate", str(rate), "--arrival", arrival, user_class]
-    if api_key:
-        cmd += ["--api-key", api_key]
+    env = dict(os.environ, LLM_SERVE_API_KEY=api_key) if api_key else None  # in the environment: a command line is public (ps)
     if model:
         cmd += ["--model", model]
     started = time.time()
     with open(out / f"{label}-locust.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         with tqdm(total=int(duration), desc=label, unit="s", bar_format="{desc}: {n_fmt}/{total_fmt} s |{bar}| {postfix}") as bar:
             while proc.poll() is None:
                 time.sleep(1)

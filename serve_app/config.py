@@ -43,6 +43,10 @@ class AppArgs(BaseModel):
     stream_interval: int = Field(default=1, ge=1, description=(
         "tokens per streamed chunk after the first, as vLLM's --stream-interval: fewer, fuller chunks cost the "
         "serving processes less CPU under load; the first token and the end are never held back"))
+    report_cached_tokens: bool = Field(default=False, description=(
+        "usage.prompt_tokens_details.cached_tokens on every response; False: only on requests with a cache_salt, "
+        "since for unsalted ones it shows whether another client sent the same prefix (vLLM: "
+        "--enable-prompt-tokens-details)"))
     sse_keepalive_s: float = Field(default=15, gt=0, description="an SSE comment after this long without a chunk")
     openapi_url: str | None = Field(default="/openapi.json", description="None hides the schema")
     retry_after_s: int = Field(default=1, ge=0)

@@ -89,7 +89,8 @@ class Ingress:
             self._raise_if_refused(admitted)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             choices = [StreamedChoice(i, chat, parse_tools, admitted.prompt_text or "") for i in range(body.n)]
-            events = self._sse(stream, request_id, created, chat, choices, admitted.prompt_tokens, include_usage)
+            events = self._sse(stream, request_id, created, chat, choices, admitted.prompt_tokens, include_usage,
+                               self._shows_cached_tokens(body))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         # a replica lost for good mid-generation surfaces from _call: a 503 in the envelope, like any handle failure
         choices = [Choice(i, chat, parse_tools) for i in range(body.n)]
@@ -98,8 +99,14 @@ class Ingress:
         for choice in choices:
             choice.prefix = admitted.prompt_text or ""
         tokens = sum(c.completion_tokens for c in choices)
+        shown = cached_tokens if self._shows_cached_tokens(body) else None
         return JSONResponse(completion_body(request_id, self.args.model_name, choices, chat,
-                                            usage(admitted.prompt_tokens, tokens, cached_tokens), created))
+                                            usage(admitted.prompt_tokens, tokens, shown), created))
+
+    def _shows_cached_tokens(self, body) -> bool:
+        """An unsalted request's cached-token count would tell its caller whether another tenant sent the same
+        prefix; a salted one's counts only its own salt's blocks. vLLM likewise shows it only when turned on."""
+        return body.cache_salt is not None or self.args.report_cached_tokens
 
     async def _retrying_lost_replicas(self, attempt):
         """Run `attempt()` again on another replica when the one it reached is lost before anything was sent to the
@@ -149,7 +156,7 @@ class Ingress:
                               self.args.retry_after_s if admitted.status in (429, 503) else None)
 
     async def _sse(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
-                   prompt_tokens: int, include_usage: bool):
+                   prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool):
         model, tokens, cached_tokens = self.args.model_name, [0] * len(choices), 0
         deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
         try:
@@ -165,7 +172,7 @@ class Ingress:
                     yield sse(chunk_body(request_id, model, [choice], chat, created))
             if include_usage:
                 final = chunk_body(request_id, model, [], chat, created)
-                final["usage"] = usage(prompt_tokens, sum(tokens), cached_tokens)
+                final["usage"] = usage(prompt_tokens, sum(tokens), cached_tokens if shows_cached_tokens else None)
                 yield sse(final)
         except Exception as exc:  # headers are gone: report in-band, then end the stream properly
             yield sse(_stream_error(exc, request_id))

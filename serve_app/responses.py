@@ -10,10 +10,11 @@ from engine import tool_calls
 from serve_app.protocol import TokenLogprob
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `prompt_tokens_details` only where the cached count may be shown (None: not)."""
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
+    return counts if cached_tokens is None else {**counts, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:

@@ -136,3 +136,35 @@ def test_tool_call_arguments_nested_past_the_parsers_depth_are_kept_as_text_not_
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
         assert "context" in r.json()["error"]["message"], r.text
+
+
+def distinct_schema(i: int) -> dict:
+    """A legitimate schema that takes llguidance about 0.15 s to compile on this CPU, unique to `i`."""
+    row = {"type": "object", "properties": {f"q{i}_{j}": {"type": "string", "pattern": "[a-z]{2,9}"} for j in range(30)}}
+    return {"type": "object", "properties": {f"p{i}_{k}": {"type": "array", "items": row} for k in range(30)}}
+
+
+async def test_requests_with_new_schemas_do_not_stall_another_clients_stream(base_url, auth):
+    """24 requests, each with a schema the core has not seen, while another client streams: the core compiles them
+    on a thread of its own, so the stream's longest gap between chunks stays under 1 s. (The core used to compile
+    them between steps, holding its loop for the sum of their compile times.)"""
+    async with httpx.AsyncClient(timeout=180) as client:
+        async def stream_chunk_times() -> list[float]:
+            times = []
+            body = chat(max_tokens=200, ignore_eos=True, stream=True)
+            async with client.stream("POST", base_url + CHAT, json=body, headers=auth) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.monotonic())
+            return times
+
+        streaming = asyncio.create_task(stream_chunk_times())
+        await asyncio.sleep(1.0)
+        formats = [{"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": distinct_schema(i)}} for i in range(24)]
+        replies = await asyncio.gather(*(client.post(base_url + CHAT, json=chat(max_tokens=4, response_format=f),
+                                                     headers=auth) for f in formats))
+        times = await streaming
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200][:2]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    assert len(times) >= 150 and max(gaps) < 1.0, f"{len(times)} chunks, longest gap {max(gaps):.2f} s"

@@ -170,6 +170,11 @@ def test_n_choices_share_the_prompt_blocks_and_seeds_repeat(client, replica_hand
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, n=3,
                                       extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    assert again.usage.prompt_tokens_details is None, "an unsalted caller is not told what others cached"
+    salted = dict(extra_body={"ignore_eos": True, "cache_salt": "tenant-n"})
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, n=3, **salted)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, n=3, **salted)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
     assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=3)
     assert len({c.text for c in greedy.choices}) == 1 and len(greedy.choices) == 3
@@ -298,5 +303,6 @@ def test_the_same_features_streamed_give_what_they_give_whole(client):
                                         parallel_tool_calls=False, max_tokens=60)
     assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
     prompt = [{"role": "user", "content": "A long shared question about cached prefixes: " + "why is the sea salty? " * 8}]
-    chat(client, prompt, max_tokens=2)
-    assert streamed_chat(client, prompt, max_tokens=2)[3].prompt_tokens_details.cached_tokens >= 32
+    chat(client, prompt, max_tokens=2, extra_body={"cache_salt": "tenant-stream"})
+    assert streamed_chat(client, prompt, max_tokens=2, extra_body={"cache_salt": "tenant-stream"}
+                         )[3].prompt_tokens_details.cached_tokens >= 32

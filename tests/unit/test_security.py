@@ -29,3 +29,11 @@ def test_exposure_without_a_key_is_refused_unless_said_on_purpose():
     assert "api_key" in exposure_problem("0.0.0.0", None, False)
     assert "api_key" in exposure_problem(None, None, False)  # unknown address: fail closed
     assert exposure_problem("0.0.0.0", "k", False) is None and exposure_problem("0.0.0.0", None, True) is None
+
+
+def test_the_engine_core_gets_no_serving_secrets_but_keeps_hub_tokens():
+    from engine.core_client import core_environment
+
+    env = core_environment({"LLM_SERVE_API_KEY": "k", "OPENAI_API_KEY": "o", "RAY_AUTH_TOKEN": "r", "DB_PASSWORD": "p",
+                            "AWS_SECRET_ACCESS_KEY": "s", "HF_TOKEN": "h", "PATH": "/usr/bin"})
+    assert set(env) == {"HF_TOKEN", "PATH", "GLIBC_TUNABLES"}
