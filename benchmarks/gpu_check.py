@@ -17,6 +17,7 @@ interpreter: `make test` runs it, so what reaches a GPU has already run end to e
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -292,6 +293,7 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
                              **_memory(device)}
             results["graphs"] = settings.get("cuda_graphs")
         del llm, engine
+        gc.collect()  # the engine's cycles hold its KV pool: the next engine profiles free memory without it
         if device == "cuda":
             torch.cuda.empty_cache()
     results["hf_static"] = hf_static(path, device, dtype, sizes.batches[-1], sizes)

@@ -53,6 +53,9 @@ class AppArgs(BaseModel):
     graceful_shutdown_timeout_s: float | None = Field(
         default=None, ge=0, description="drain on shutdown; default: request_timeout_s + 10, since no accepted "
                                         "request runs longer, so a deploy never cuts a generation short")
+    max_prompt_logprob_tokens: int = Field(default=4096, ge=1, description=(
+        "the longest prompt that echo with logprobs may score (each token is a log-softmax over the vocabulary); "
+        "longer is a 400 naming echo"))
     max_n: int = Field(default=8, ge=1, description="choices per request (OpenAI's n); each is an engine request")
     log_prompts: bool = Field(default=False, description="debug only: prompts and completions in logs")
 

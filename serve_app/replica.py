@@ -66,6 +66,10 @@ class EngineReplica:
         """One engine request per choice; the later ones share the first one's prompt blocks. All or none."""
         if isinstance(token_ids, Refused):
             return token_ids
+        limit = self.args.max_prompt_logprob_tokens
+        if job.params.prompt_logprobs is not None and len(token_ids) > limit:
+            return Refused(400, f"echo with logprobs scores every prompt token; this prompt has {len(token_ids)} "
+                                f"tokens and the server scores at most {limit}", "echo")
         streams: list[RequestStream] = []
         try:
             for index in range(job.n):
@@ -94,14 +98,18 @@ class EngineReplica:
             yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None)
             sent_tokens: list[int | None] = [None] * len(streams)  # None: nothing sent yet
             held_text: list[str] = [""] * len(streams)  # text of outputs not sent yet; the latest output has the rest
+            prompt_scores: list[TokenLogprob] | None = None  # the first choice's, formatted once for every choice
             async for index, outputs in _each_choice(streams):
                 last = outputs[-1]
                 held_text[index] += "".join(o.delta_text for o in outputs)
-                if not _due(last, sent_tokens[index], job.stream_interval):
-                    continue
+                if index == 0 and prompt_scores is None and last.prompt_logprobs is not None:
+                    prompt_scores = self._prompt_logprobs(last, job.params.prompt_logprobs)
+                waits_for_scores = job.params.prompt_logprobs is not None and prompt_scores is None
+                if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], job.stream_interval):
+                    continue  # a later choice waits for the first one's prompt scores (they come first in practice)
                 delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
                 if sent_tokens[index] is None and job.params.prompt_logprobs is not None:
-                    delta.prompt_logprobs = self._prompt_logprobs(last, job.params.prompt_logprobs)
+                    delta.prompt_logprobs = prompt_scores
                 sent_tokens[index], held_text[index] = len(last.token_ids), ""
                 yield delta
         finally:
@@ -162,8 +170,12 @@ def _refusal(exc: Exception, job: GenerationJob) -> Refused:
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i of a seeded request draws from seed + i (as vLLM does): the same seed repeats, choices differ."""
-    return params if index == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+    """Choice i of a seeded request draws from seed + i (as vLLM does): the same seed repeats, choices differ.
+    Only the first choice scores the prompt (echo with logprobs): the others share its prompt's blocks and its
+    scores, where each scoring the prompt again would skip the prefix cache and multiply the work by n."""
+    if index == 0:
+        return params
+    return dataclasses.replace(params, seed=None if params.seed is None else params.seed + index, prompt_logprobs=None)
 
 
 async def _each_choice(streams: list[RequestStream]):

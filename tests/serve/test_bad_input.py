@@ -55,6 +55,8 @@ CASES = [
     ("stored completions are refused", "POST", CHAT, chat(store=True), {}, 400, "store"),
     ("suffix is refused by name", "POST", COMPLETIONS, comp(suffix="end"), {}, 400, "suffix"),
     ("best_of other than n", "POST", COMPLETIONS, comp(best_of=3), {}, 400, "best_of"),
+    ("echo with logprobs over the scoring limit", "POST", COMPLETIONS, comp(prompt="hi " * 4500, echo=True, logprobs=1),
+     {}, 400, "scores at most 4096"),
     ("logit_bias key not a token id", "POST", CHAT, chat(logit_bias={"hello": 5}), {}, 400, "logit_bias"),
     ("logit_bias key a non-ASCII digit", "POST", CHAT, chat(logit_bias={"²": 5}), {}, 400, "logit_bias"),
     ("logit_bias value out of range", "POST", CHAT, chat(logit_bias={"42": 500}), {}, 400, "logit_bias"),

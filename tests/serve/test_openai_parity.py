@@ -156,6 +156,23 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, offline):
     assert tokens == lp.tokens
 
 
+def test_echo_with_logprobs_and_n_scores_the_prompt_once_for_every_choice(client, replica_handle):
+    """Only the first choice scores the prompt; the others share its blocks (prefix hits) and its scores."""
+    prompt = "An echo test prompt scored once for three choices: " + "the river bends around the mill " * 10
+    before = replica_handle.stats.remote().result()
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=3, n=3, echo=True,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    after = replica_handle.stats.remote().result()
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    prompt_len = r.usage.prompt_tokens
+    scores = [(c.logprobs.tokens[:prompt_len], c.logprobs.token_logprobs[:prompt_len]) for c in r.choices]
+    assert scores[0] == scores[1] == scores[2] and scores[0][1][0] is None and None not in scores[0][1][1:]
+    assert all(len(c.logprobs.tokens) == prompt_len + 4 and c.text.startswith(prompt) for c in r.choices)
+    full_blocks = (prompt_len - 1) // 16 * 16
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * full_blocks, "choices 2 and 3 hit choice 1's"
+    assert after["prompt_tokens"] - before["prompt_tokens"] < 2 * prompt_len, "the prompt was computed about once"
+
+
 def test_n_choices_share_the_prompt_blocks_and_seeds_repeat(client, replica_handle):
     prompt = "A unique story opening for the n test: " + "the lighthouse keeper counted ships " * 12
     before = replica_handle.stats.remote().result()
