@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
+SCORED_CHUNK = 256  # prompt tokens a step computes at most, over all requests that asked for prompt logprobs
+
+
+def _scoring_prompt(seq: Sequence) -> bool:
+    return seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
+
 
 @dataclass
 class ScheduledBatch:
@@ -44,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; preemption takes from the end
         self.num_preemptions = 0
+        self._scored_left = SCORED_CHUNK  # of this step's prompt tokens for requests that score their prompt
 
     @property
     def num_unfinished(self) -> int:
@@ -55,6 +62,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._scored_left = SCORED_CHUNK
         budget = self._schedule_running(batch)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
@@ -69,15 +77,29 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, self._chunk_budget(seq, budget))
+            if num_new == 0:  # a prompt being scored, past this step's share: the next step
+                index += 1
+                continue
             if not self._make_room(seq, seq.num_computed_tokens + num_new, batch):
                 break
             drafts = self._drafts_that_fit(seq, num_new, budget)
             self.block_manager.grow(seq, seq.num_computed_tokens + num_new + len(drafts))
             batch.add(seq, num_new + len(drafts), drafts)
+            self._took(seq, num_new)
             budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _chunk_budget(self, seq: Sequence, budget: int) -> int:
+        """Prompts being scored (prompt logprobs) share SCORED_CHUNK tokens a step: each of their rows takes the LM
+        head and a log-softmax over the vocabulary, and a whole chunk of them would make one step long for every
+        other request in it."""
+        return min(budget, self._scored_left) if _scoring_prompt(seq) else budget
+
+    def _took(self, seq: Sequence, num_new: int) -> None:
+        if _scoring_prompt(seq):
+            self._scored_left -= num_new
 
     def _drafts_that_fit(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
         """A decoding sequence's proposed drafts, as many as the token budget and the free blocks hold: a draft never
@@ -113,7 +135,9 @@ class Scheduler:
             matched = [] if seq.params.prompt_logprobs is not None else self.block_manager.match_prefix(
                 seq.token_ids, seq.cache_salt)
             num_cached = len(matched) * self.block_manager.block_size
-            num_new = min(len(seq) - num_cached, budget)
+            num_new = min(len(seq) - num_cached, self._chunk_budget(seq, budget))
+            if num_new <= 0:
+                return
             if not self.block_manager.can_allocate(matched, num_cached + num_new):
                 if self.running:
                     return
@@ -125,6 +149,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
+            self._took(seq, num_new)
             budget -= num_new
 
     def _leader_still_computing_prompt(self, seq: Sequence) -> bool:

@@ -192,6 +192,30 @@ def test_decode_and_prefill_chunks_share_a_step():
     assert first.is_finished and second.is_finished
 
 
+def test_a_prompt_being_scored_goes_in_small_chunks_beside_a_plain_one():
+    from engine.scheduler import SCORED_CHUNK
+
+    engine = FakeEngine(num_blocks=512, block_size=16, max_num_seqs=4, max_tokens_per_step=2048)
+    scored = Sequence("scored", list(range(1000)), SamplingParams(max_tokens=1, prompt_logprobs=0))
+    engine.scheduler.add(scored)
+    plain = engine.add("plain", list(range(5000, 6000)), 1)
+    batch = engine.step()
+    assert dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens)) == {"scored": SCORED_CHUNK, "plain": 1000}
+    batches = [engine.step() for _ in range(3)]
+    assert [dict(zip([s.request_id for s in b.seqs], b.num_new_tokens)).get("scored") for b in batches] == [
+        SCORED_CHUNK, SCORED_CHUNK, 1000 - 3 * SCORED_CHUNK]
+    engine.drain()
+    assert scored.is_finished and plain.is_finished
+    two = [Sequence(f"scored-{i}", list(range(100 * i, 100 * i + 300)), SamplingParams(max_tokens=2, prompt_logprobs=0))
+           for i in (1, 2)]
+    for seq in two:
+        engine.scheduler.add(seq)
+    first, second = engine.step(), engine.step()
+    assert first.num_new_tokens == [SCORED_CHUNK] and second.num_new_tokens == [300 - SCORED_CHUNK, SCORED_CHUNK - 44]
+    engine.drain()
+    assert all(seq.is_finished for seq in two)
+
+
 def test_preemption_takes_the_newest_and_the_oldest_keeps_running():
     engine = FakeEngine(num_blocks=6, block_size=2, max_num_seqs=4, max_tokens_per_step=64, prefix_caching=False)
     old = engine.add("old", [1, 2, 3], 6)
