@@ -291,7 +291,9 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
             results["engine_static"] = engine_generate(llm, device, sizes.batches[-1], sizes)
             results["kv"] = {"blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
                              **_memory(device)}
-            results["graphs"] = settings.get("cuda_graphs")
+            graphs = engine.runner.graphs
+            results["graphs"] = {"buckets": settings.get("cuda_graphs"),
+                                 "memory_mib": round(graphs.memory_bytes / 2**20, 1) if graphs is not None else None}
         del llm, engine
         gc.collect()  # the engine's cycles hold its KV pool: the next engine profiles free memory without it
         if device == "cuda":
