@@ -1,0 +1,1 @@
+"""GPU kernels (Triton), checked on every machine; the CPU kernels are C++ under engine/csrc."""
