@@ -101,7 +101,11 @@ class CoreLoop:
     def _receive(self, timeout: int) -> list[CoreInputs]:
         messages = []
         while self.inputs.poll(timeout):
-            messages.append(self.decoder.decode(self.inputs.recv()))
+            raw = self.inputs.recv()
+            try:
+                messages.append(self.decoder.decode(raw))
+            except msgspec.DecodeError as exc:  # one bad message is dropped and logged; the loop serves on
+                log.error("dropped a message the core could not decode (%d bytes): %s", len(raw), exc)
             timeout = 0
         return messages
 

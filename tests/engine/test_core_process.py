@@ -144,3 +144,11 @@ async def test_the_core_process_starts_with_its_heap_on_huge_pages(core):
     environ = Path(f"/proc/{core.stats()['core_pid']}/environ").read_bytes().split(b"\0")
     tunables = next(v for v in environ if v.startswith(b"GLIBC_TUNABLES=")).split(b"=", 1)[1].decode()
     assert HEAP_ON_HUGE_PAGES in tunables.split(":")
+
+
+async def test_a_message_the_core_cannot_decode_is_dropped_and_the_core_serves_on(core):
+    """The core used to die on a CoreInputs it could not decode, failing every request in flight."""
+    core.core._to_core.send(b"\xc1 not msgpack")
+    core.core._to_core.send(b"\x93\x01\x02")  # msgpack, but not a CoreInputs
+    outs = [o async for o in core.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))]
+    assert len(outs[-1].token_ids) == 4 and core.health_problem() is None
