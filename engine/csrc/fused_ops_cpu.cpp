@@ -69,6 +69,9 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2);
   const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), half = head_dim / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(positions.numel() == tokens && positions.is_contiguous(), "one position per row");
+  for (int64_t t = 0; t < tokens; ++t)  // the tables are read at each position: one past them is another buffer
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the rotary table");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_inplace", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {

@@ -104,3 +104,23 @@ def test_bf16_decode_with_a_large_head_group(decode_fn):
         v = v_cache[:, tables[b]].reshape(1, -1, 64)[:, :n].float()
         want = F.scaled_dot_product_attention(q[b].unsqueeze(1).float(), k, v, enable_gqa=True)[:, 0]
         torch.testing.assert_close(got[b], want, atol=3e-2, rtol=3e-2)
+
+
+def test_the_cpp_kernels_refuse_tables_and_positions_outside_their_buffers():
+    """A bookkeeping bug must be an error, not a read of another request's cache (or past the pool)."""
+    if not cpu_kernels.have_compiler():
+        pytest.skip("no C++ compiler on this machine")
+    op, fused = cpu_kernels.build_paged_decode(), cpu_kernels.build_fused_ops()
+    k, v = random_pool(8, 64, torch.float32)
+    q = torch.randn(2, HEADS, 64)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 32])
+    op(q, k, v, tables, lens, 0.125)  # in bounds
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(q, k, v, torch.tensor([[0, 1], [2, 8]]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        op(q, k, v, tables, torch.tensor([20, 33]), 0.125)
+    cos = sin = torch.zeros(16, 32)
+    qkv = torch.randn(3, 4 * 64)
+    fused.rotary_inplace(qkv, torch.tensor([0, 5, 15]), cos, sin, 4, 64)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        fused.rotary_inplace(qkv, torch.tensor([0, 5, 16]), cos, sin, 4, 64)
