@@ -21,6 +21,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 cli = typer.Typer(add_completion=False)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16  # Qwen2.5-1.5B's attention, the engine's block size
 PEAKS = {"H100": (3350, 989), "H200": (4800, 989), "A100": (2039, 312), "L4": (300, 121), "L40S": (864, 362)}  # GB/s, TFLOP/s
 
 
@@ -95,7 +96,7 @@ def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
     """(device name, rows): the decode grid and the prefill, each with its share of the device's peak if known."""
     import torch
 
-    heads, kv_heads, head_dim, block_size, dtype = 12, 2, 128, 16, torch.bfloat16
+    heads, kv_heads, head_dim, block_size, dtype = HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         name, num_sms = props.name, props.multi_processor_count
@@ -123,8 +124,7 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu: toy shapes under
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel
     name, rows = measure_kernels(device, repeats)
-    heads, kv_heads, head_dim, block_size = 12, 2, 128, 16
-    table = Table(title=f"Triton attention on {name}: {heads}/{kv_heads} heads of {head_dim}, bf16, blocks of {block_size}")
+    table = Table(title=f"Triton attention on {name}: {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, bf16, blocks of {BLOCK_SIZE}")
     for column in ("kind", "batch", "context", "splits", "us", "GB/s or TFLOP/s", "of peak"):
         table.add_column(column, justify="right")
     for row in rows:

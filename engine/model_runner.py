@@ -54,6 +54,11 @@ class ModelRunner:
                  decode_kernel=None, write_kv=None, phases: PhaseTimer | None = None, triton: bool = False):
         self.model = model
         self.triton = triton  # attention on the Triton kernels (engine/layers/triton_attention.py)
+        self.num_splits_for = None  # the decode kernel's split rule, where Triton runs (triton is imported only there)
+        if triton:
+            from engine.kernels.triton.decode import num_splits_for
+
+            self.num_splits_for = num_splits_for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs; see capture_graphs
         self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
@@ -83,11 +88,9 @@ class ModelRunner:
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
         """Decode steps of up to max_num_seqs sequences replay CUDA graphs from now on (capture=False: the same
         buffers, run eagerly; tests on CPU). Call after the KV pool is allocated: the graphs hold its address."""
-        from engine.kernels.triton.decode import num_splits_for  # triton is imported only where it runs
-
         kv_heads = self.kv_cache.shape[2]
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.kv_layers, self.block_size, max_num_seqs,
-                                   max_model_len, lambda b: num_splits_for(b, kv_heads, max_model_len, self.num_sms),
+                                   max_model_len, lambda b: self.num_splits_for(b, kv_heads, max_model_len, self.num_sms),
                                    capture)
         return self.graphs
 
@@ -171,20 +174,24 @@ class ModelRunner:
             starts.append(starts[-1] + num_new)
         context_lens = [seq.num_computed_tokens + num_new for seq, num_new in zip(seqs, num_new_tokens)]
         width = max(-(-n // self.block_size) for n in context_lens)
-        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        tables = _padded([seq.block_table[:width] for seq in seqs], width)
         return PrefillBatch(self._tensor(starts), self._tensor(context_lens), self._tensor(tables), max(num_new_tokens))
 
     def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
         width = max(len(seq.block_table) for seq in seqs)
-        tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        tables = self._tensor(_padded([seq.block_table for seq in seqs], width))
         lens = [seq.num_computed_tokens + 1 for seq in seqs]
         splits = 1
-        if self.triton:
-            from engine.kernels.triton.decode import num_splits_for  # triton is imported only where it runs
-            splits = num_splits_for(len(seqs), self.kv_cache.shape[2], max(lens), self.num_sms)
+        if self.num_splits_for is not None:
+            splits = self.num_splits_for(len(seqs), self.kv_cache.shape[2], max(lens), self.num_sms)
         return DecodeBatch(tables, self._tensor(lens), self.block_size, self.decode_kernel, splits)
 
     def _tensor(self, values) -> torch.Tensor:
         """Host values to the device without waiting for it: through pinned memory on CUDA."""
         host = torch.tensor(values, dtype=torch.long, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
+
+
+def _padded(tables: list[list[int]], width: int) -> list[list[int]]:
+    """Block tables as rows of one width, padded with block 0 (the kernels read no further than each context)."""
+    return [table + [0] * (width - len(table)) for table in tables]

@@ -127,7 +127,7 @@ def test_a_mixed_step_through_the_layer_matches_the_torch_path(dtype):
     lengths = decodes + [cached + new for cached, new in spans]
     padded, tables = block_tables(lengths, 32)
     tokens = len(decodes) + sum(new for _, new in spans)
-    slots, start = [], 0
+    slots = []
     for length, table in zip(decodes, tables):
         slots.append(table[(length - 1) // BLOCK_SIZE] * BLOCK_SIZE + (length - 1) % BLOCK_SIZE)
     for (cached, new), table in zip(spans, tables[len(decodes):]):
