@@ -22,15 +22,16 @@ model: $(STAMP)
 	@$(PY) -c "from engine.models import embedded_checkpoint; print('model:', embedded_checkpoint())"
 
 RAY := $(VENV)/bin/ray
-# Ray's processes start with serve_app/ray_env.py's environment (workers at nice 0); THROUGHPUT=1 adds Ray Serve's
-# high-throughput mode (HAProxy in place of the Python proxy, gRPC between deployments), on a Ray started here.
+RAY_ENV = env $$($(PY) -m serve_app.ray_env)
+# Ray's processes start with serve_app/ray_env.py's environment (workers at nice 0, token auth with ~/.ray/auth_token,
+# created 0600 if missing); THROUGHPUT=1 adds Ray Serve's high-throughput mode (HAProxy in place of the Python proxy,
+# gRPC between deployments), on a Ray started here.
 serve: model
-	@$(RAY) status --address 127.0.0.1:6379 >/dev/null 2>&1 || \
-		env $$($(PY) -m serve_app.ray_env $(if $(THROUGHPUT),--throughput)) $(RAY) start --head --node-ip-address=127.0.0.1 --metrics-export-port=8080 --disable-usage-stats
-	$(VENV)/bin/serve run --address auto serve_app/config.yaml
+	$(PY) -m serve_app.ray_env start $(if $(THROUGHPUT),--throughput)
+	$(RAY_ENV) $(VENV)/bin/serve run --address auto serve_app/config.yaml
 
 stop:
-	-$(VENV)/bin/serve shutdown -y --address http://127.0.0.1:8265
+	-$(RAY_ENV) $(VENV)/bin/serve shutdown -y --address http://127.0.0.1:8265
 	-$(RAY) stop
 	-pkill -f "[s]erve run --address auto serve_app/config.yaml"  # a detached one would keep reconnecting, burning CPU
 

@@ -23,7 +23,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from loadtest.report import plot_run, plot_sweep, summarize
-from serve_app.ray_env import ray_env
+from serve_app.ray_env import ray_env, start_local_ray
 
 app = typer.Typer(add_completion=False)
 console = Console()
@@ -67,14 +67,9 @@ def load_records(path: Path) -> list[dict]:
 def embedded_app(port: int = 8000, throughput: bool = False):
     """Ray on loopback with a fixed metrics port (as `make serve`), then the embedded app; torn down afterwards.
     throughput: Ray Serve's high-throughput mode (serve_app/ray_env.py), on a Ray started here."""
-    ray, serve = str(BIN / "ray"), str(BIN / "serve")
-    started_ray = subprocess.run([ray, "status", "--address", "127.0.0.1:6379"], capture_output=True).returncode != 0
-    if started_ray:
-        subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--metrics-export-port=8080",
-                        "--disable-usage-stats"], check=True, capture_output=True,
-                       env={**os.environ, **ray_env(throughput)})  # as make serve
-    proc = subprocess.Popen([serve, "run", "--address", "auto", "serve_app/config.yaml"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started_ray = start_local_ray(throughput)  # as make serve
+    proc = subprocess.Popen([str(BIN / "serve"), "run", "--address", "auto", "serve_app/config.yaml"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ray_env()})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 600, proc, "the embedded app")
@@ -83,7 +78,7 @@ def embedded_app(port: int = 8000, throughput: bool = False):
         proc.terminate()
         proc.wait(60)
         if started_ray:
-            subprocess.run([ray, "stop"], capture_output=True)
+            subprocess.run([str(BIN / "ray"), "stop"], capture_output=True)
 
 
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, what: str = "the server") -> None:

@@ -2,17 +2,25 @@
 the tests' own cluster read it from here. Ray Serve reads these variables when each of its processes starts, so they
 belong to Ray's environment, not to the Serve config.
 
-`python -m serve_app.ray_env [--throughput]` prints them as `NAME=value` words for a shell's `env`.
+`python -m serve_app.ray_env [--throughput]` prints them as `NAME=value` words for a shell's `env`;
+`python -m serve_app.ray_env start [--throughput]` starts a loopback head (as `make serve`) unless one runs.
 """
 from __future__ import annotations
 
 import os
+import secrets
+import subprocess
 import sys
+from pathlib import Path
 
 RAY_ENV = {
     # Ray starts workers at nice 15, and on a small box a nice-0 load generator or shell then starves the replicas
     # (2,720 against 7,720 req/h under Locust, BENCHMARKS.md)
     "RAY_worker_niceness": "0",
+    # Ray's GCS, raylets, client server and dashboard agent listen on every interface whatever --node-ip-address
+    # says, and every Serve replica binds its gRPC server to "[::]:0" (ray/serve/_private/replica.py:1835 in 2.60);
+    # each runs code for whoever reaches it. With token auth each demands the cluster's bearer token.
+    "RAY_AUTH_MODE": "token",
 }
 
 # Opt-in (`make serve THROUGHPUT=1`): Ray Serve's documented high-throughput mode. HAProxy (shipped with ray[serve]
@@ -22,16 +30,54 @@ RAY_ENV = {
 # fixed upstream: ray-project/ray#65698, #66056), where the Python proxy refuses it at once.
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
+LOCAL_HEAD = "127.0.0.1:6379"
+
 
 def ray_env(throughput: bool = False) -> dict[str, str]:
     return {**RAY_ENV, **(THROUGHPUT_ENV if throughput else {})}
+
+
+def ensure_auth_token() -> None:
+    """Create Ray's default token file if no token is configured. Created here, not by `ray get-auth-token
+    --generate`, because Ray writes it readable by every local user (0644) and this writes it 0600."""
+    path = Path.home() / ".ray" / "auth_token"  # where Ray looks when neither variable is set
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or path.exists():
+        return
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_hex(32))
 
 
 def setdefault_ray_env(throughput: bool = False) -> None:
     """For a `ray.init` in this process, whose Ray processes inherit its environment; what is already set wins."""
     for name, value in ray_env(throughput).items():
         os.environ.setdefault(name, value)
+    ensure_auth_token()
+    if "ray._raylet" in sys.modules:  # Ray caches its config at import: re-read the auth mode, as ray.init's own
+        from ray._raylet import Config  # token set-up does (ray/_private/authentication/authentication_token_setup.py)
+
+        Config.initialize("")
+
+
+def start_local_ray(throughput: bool = False) -> bool:
+    """A head on loopback with metrics on 8080 (what `make serve` and the load test use), unless one already
+    answers there; says whether it started one."""
+    ray = str(Path(sys.executable).parent / "ray")
+    env = {**os.environ, **ray_env(throughput)}
+    if subprocess.run([ray, "status", "--address", LOCAL_HEAD], capture_output=True, env=env).returncode == 0:
+        return False
+    ensure_auth_token()
+    started = subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--metrics-export-port=8080",
+                              "--disable-usage-stats"], capture_output=True, text=True, env=env)
+    if started.returncode != 0:
+        raise RuntimeError(f"ray start failed:\n{started.stdout}{started.stderr}")
+    return True
 
 
 if __name__ == "__main__":
-    print(" ".join(f"{name}={value}" for name, value in ray_env("--throughput" in sys.argv[1:]).items()))
+    throughput = "--throughput" in sys.argv[1:]
+    if "start" in sys.argv[1:]:
+        start_local_ray(throughput)
+    else:
+        print(" ".join(f"{name}={value}" for name, value in ray_env(throughput).items()))

@@ -60,6 +60,8 @@ def test_launcher_keeps_the_dashboard_on_loopback_and_secrets_out_of_files(path)
         if "HF_TOKEN" in command or "LLM_SERVE_API_KEY" in command:
             assert ">" not in command.split("ray start")[0].replace("2>/dev/null", ""), f"a secret written to a file: {command}"
             assert "ray start" in command, "secrets are read into ray start's environment only"
+        if "RAY_AUTH_TOKEN" in command:
+            assert ">" not in command.replace("2>/dev/null", ""), f"Ray's token written to a file: {command}"
     for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
         assert any("LLM_SERVE_API_KEY=$(" in c and "HF_TOKEN=$(" in c for c in commands)
 
@@ -91,7 +93,8 @@ def test_kuberay_takes_the_api_key_from_a_secret_and_fences_the_dashboard():
     for container in containers:
         (key,) = [e for e in container["env"] if e["name"] == "LLM_SERVE_API_KEY"]
         assert key["valueFrom"]["secretKeyRef"]["name"] == "llm-serve-api-key" and "optional" not in key["valueFrom"]["secretKeyRef"]
-    policy = documents["NetworkPolicy"]["spec"]
+    (policy,) = [d["spec"] for d in yaml.safe_load_all((ROOT / "cluster/kuberay-rayservice.yaml").read_text())
+                 if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"]["ray.io/node-type"] == "head"]
     assert policy["podSelector"]["matchLabels"]["ray.io/node-type"] == "head"
     (dashboard_rule,) = [r for r in policy["ingress"] if {"port": 8265} in r.get("ports", [])]
     assert dashboard_rule["from"] and all("namespaceSelector" in f for f in dashboard_rule["from"])
@@ -103,12 +106,28 @@ def test_launcher_starts_ray_with_the_apps_ray_env(path):
     for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
         (start,) = [c for c in commands if "ray start" in c]
         exported = dict(re.findall(r"\b(RAY_\w+)=(\S+)", start.split("ray start")[0]))
+        assert exported.pop("RAY_AUTH_TOKEN").startswith("$("), "Ray's token comes from the secret manager"
         assert exported == RAY_ENV, "the launcher's ray start drifted from serve_app/ray_env.py"
+    (deploy,) = [c for c in config["head_start_ray_commands"] if "serve deploy" in c]
+    assert "RAY_AUTH_MODE=token" in deploy and "RAY_AUTH_TOKEN=$(" in deploy, "serve deploy reaches the dashboard with the token"
 
 
 def test_kuberay_containers_carry_the_apps_ray_env():
     spec = kuberay_documents()["RayService"]["spec"]["rayClusterConfig"]
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    assert spec["authOptions"] == {"mode": RAY_ENV["RAY_AUTH_MODE"]}, "the operator sets the auth mode and the token"
     for group in groups:
         env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
-        assert {name: env.get(name) for name in RAY_ENV} == RAY_ENV, "a KubeRay container drifted from serve_app/ray_env.py"
+        assert "RAY_AUTH_MODE" not in env and "RAY_AUTH_TOKEN" not in env, "authOptions sets them; a second copy would fight it"
+        wanted = {name: value for name, value in RAY_ENV.items() if name != "RAY_AUTH_MODE"}
+        assert {name: env.get(name) for name in wanted} == wanted, "a KubeRay container drifted from serve_app/ray_env.py"
+
+
+def test_kuberay_fences_rays_ports_on_the_workers_too():
+    policies = [d for d in yaml.safe_load_all((ROOT / "cluster/kuberay-rayservice.yaml").read_text()) if d["kind"] == "NetworkPolicy"]
+    fenced = {p["spec"]["podSelector"]["matchLabels"]["ray.io/node-type"]: p["spec"] for p in policies}
+    assert set(fenced) == {"head", "worker"}
+    for spec in fenced.values():
+        assert spec["policyTypes"] == ["Ingress"]
+        open_to_all = [r for r in spec["ingress"] if "from" not in r]
+        assert all({p["port"] for p in r["ports"]} <= {8000, 8080} for r in open_to_all), "only the endpoint and metrics are open"

@@ -67,7 +67,7 @@ def test_serving_defaults_bound_the_queue_and_max_tokens_under_any_engine_settin
 
 
 def test_ray_env_cli_adds_the_throughput_mode_only_when_asked():
-    """`make serve` starts Ray with `env $(python -m serve_app.ray_env [--throughput])`."""
+    """`make serve` runs Serve's CLI with `env $(python -m serve_app.ray_env)`."""
     import subprocess
     import sys
 
@@ -80,3 +80,22 @@ def test_ray_env_cli_adds_the_throughput_mode_only_when_asked():
     assert words() == RAY_ENV and not THROUGHPUT_ENV.keys() & RAY_ENV.keys()
     assert words("--throughput") == {**RAY_ENV, **THROUGHPUT_ENV}
     assert THROUGHPUT_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
+def test_ray_env_turns_on_token_auth_and_writes_a_token_only_its_owner_reads(tmp_path, monkeypatch):
+    from serve_app.ray_env import RAY_ENV, ensure_auth_token
+
+    assert RAY_ENV["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    ensure_auth_token()
+    token = tmp_path / ".ray" / "auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    first = token.read_text()
+    ensure_auth_token()
+    assert token.read_text() == first, "an existing token is kept: the running cluster's clients hold it"
+    token.unlink()
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-the-operator")
+    ensure_auth_token()
+    assert not token.exists(), "a token the operator passes is the one Ray uses; no file is made"
