@@ -21,6 +21,9 @@ RAY_ENV = {
     # says, and every Serve replica binds its gRPC server to "[::]:0" (ray/serve/_private/replica.py:1835 in 2.60);
     # each runs code for whoever reaches it. With token auth each demands the cluster's bearer token.
     "RAY_AUTH_MODE": "token",
+    # Serve calls this in its HTTP proxy and each replica's HTTP server when they start: a deadline for request
+    # headers, which Serve's uvicorn never bounds (serve_app/header_deadline.py)
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.header_deadline.proxy_middlewares",
 }
 
 # Opt-in (`make serve THROUGHPUT=1`): Ray Serve's documented high-throughput mode. HAProxy (shipped with ray[serve]
@@ -28,13 +31,21 @@ RAY_ENV = {
 # and deployments talk gRPC: 19,920 against 17,000 req/h at 48 users on 2 cores (BENCHMARKS.md). Not the default:
 # deleting an app while it streams left a new request hanging 60 s and then cut (Ray's HAProxy drain is still being
 # fixed upstream: ray-project/ray#65698, #66056), where the Python proxy refuses it at once.
+# What HAProxy mode cannot bound in Ray 2.60: request headers (`timeout http-request` is never set,
+# ray/serve/_private/haproxy.py:652, so `timeout client`, 3,600 s, applies to them) and its stats page on *:8404
+# (the template binds `*`). What it can: its admin socket (mode 666) goes in a directory only this user may enter.
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+HAPROXY_SOCKET_DIR = Path.home() / ".ray" / "haproxy-serve"
 
 LOCAL_HEAD = "127.0.0.1:6379"
 
 
 def ray_env(throughput: bool = False) -> dict[str, str]:
-    return {**RAY_ENV, **(THROUGHPUT_ENV if throughput else {})}
+    if not throughput:
+        return dict(RAY_ENV)
+    HAPROXY_SOCKET_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    HAPROXY_SOCKET_DIR.chmod(0o700)
+    return {**RAY_ENV, **THROUGHPUT_ENV, "RAY_SERVE_HAPROXY_SOCKET_PATH": str(HAPROXY_SOCKET_DIR / "admin.sock")}
 
 
 def ensure_auth_token() -> None:

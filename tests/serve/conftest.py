@@ -30,6 +30,8 @@ def serve_app():
     # as `make serve`: workers at nice 0 (at Ray's 15, on a slow 2-core AVX2 box the Locust smoke completed 6
     # requests in 20 s instead of dozens)
     setdefault_ray_env()
+    header_timeout_s = 2.0  # Serve's proxy reads it when it starts (serve_app/header_deadline.py)
+    os.environ["LLM_SERVE_HEADER_TIMEOUT_S"] = str(header_timeout_s)
     metrics_port = free_port()
     # metrics every second instead of Ray's 10 s, so the Prometheus test does not wait on export
     # address="local": a cluster of the tests' own, even where `make serve` already runs one
@@ -46,7 +48,8 @@ def serve_app():
         serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
-        yield {"base_url": base, "api_key": API_KEY, "args": args, "metrics_port": metrics_port}
+        yield {"base_url": base, "api_key": API_KEY, "args": args, "metrics_port": metrics_port,
+               "header_timeout_s": header_timeout_s}
     finally:
         try:
             serve.shutdown()

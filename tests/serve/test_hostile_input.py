@@ -89,6 +89,45 @@ async def test_a_body_that_trickles_in_times_out_with_408(base_url, serve_app):
     assert serve_app["args"]["body_timeout_s"] - 0.5 <= waited < 20, waited
 
 
+async def seconds_until_the_server_hangs_up(base_url: str, drip: bytes | None, limit_s: float = 30) -> float:
+    """Opens a connection, sends the start of a request, then `drip` every half second (nothing when None)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\n".encode() if drip else b"")
+    started = time.monotonic()
+
+    async def dribble():
+        while drip:
+            await asyncio.sleep(0.5)
+            writer.write(drip)
+            await writer.drain()
+
+    dribbling = asyncio.create_task(dribble())
+    try:
+        assert await asyncio.wait_for(reader.read(), limit_s) == b"", "the server answered instead of hanging up"
+    finally:
+        dribbling.cancel()
+        writer.close()
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("drip", [b"X-Slow: 1\r\n", None], ids=["headers-a-line-at-a-time", "nothing-at-all"])
+async def test_a_client_slow_with_its_headers_is_cut_off_at_the_header_deadline(base_url, serve_app, drip):
+    """Slowloris (issue 41 item 6): Serve's proxy waited forever for headers, so each such client held a connection
+    and a descriptor (against main this test waits out its 30 s limit); serve_app/header_deadline.py closes it."""
+    deadline = serve_app["header_timeout_s"]
+    assert deadline - 0.5 <= await seconds_until_the_server_hangs_up(base_url, drip) < deadline + 3
+
+
+def test_the_header_deadline_spares_keep_alive_connections(base_url, auth, serve_app):
+    with httpx.Client(base_url=base_url, headers=auth, timeout=30) as client:
+        assert client.get("/v1/models").status_code == 200
+        time.sleep(serve_app["header_timeout_s"] + 0.5)  # idle past the deadline, inside keep-alive
+        assert client.get("/v1/models").status_code == 200
+        assert client.get("/v1/models").status_code == 200
+        assert len(client._transport._pool.connections) == 1, "the idle connection was closed and replaced"
+
+
 def test_openapi_schema_is_published_behind_the_key(base_url, auth):
     assert httpx.get(base_url + "/openapi.json", timeout=30).status_code == 401
     schema = httpx.get(base_url + "/openapi.json", headers=auth, timeout=30).json()

@@ -78,7 +78,10 @@ def test_ray_env_cli_adds_the_throughput_mode_only_when_asked():
         return dict(word.split("=", 1) for word in out.stdout.split())
 
     assert words() == RAY_ENV and not THROUGHPUT_ENV.keys() & RAY_ENV.keys()
-    assert words("--throughput") == {**RAY_ENV, **THROUGHPUT_ENV}
+    throughput = words("--throughput")
+    socket = Path(throughput.pop("RAY_SERVE_HAPROXY_SOCKET_PATH"))
+    assert throughput == {**RAY_ENV, **THROUGHPUT_ENV}
+    assert socket.parent.stat().st_mode & 0o777 == 0o700, "HAProxy's admin socket (mode 666) sits where only we reach"
     assert THROUGHPUT_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
