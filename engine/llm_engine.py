@@ -73,7 +73,7 @@ class LLMEngine:
         self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting))
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
-        self.consecutive_failed_steps = 0  # steps in a row in which no request could run
+        self.consecutive_failed_steps = 0  # steps in a row that failed for the engine's sake (step_recovery.py)
         self.step_started_at: float | None = None  # monotonic; None between steps
         log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
                  self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype, self.runner.num_blocks,
@@ -195,9 +195,9 @@ class LLMEngine:
         except Exception:  # one bad request must not fail its batch-mates: find it, fail it, serve the rest
             log.exception("engine step failed; retrying its %d requests in groups", len(batch))
             self.counters["num_failed_steps"] += 1
-            outputs, nothing_ran = retry_in_groups(batch, self._execute, self._fail)
-            # steps in a row where nothing could run count against the engine; any success resets the count
-            self.consecutive_failed_steps = self.consecutive_failed_steps + 1 if nothing_ran else 0
+            outputs, engine_fault = retry_in_groups(batch, self._execute, self._fail)
+            # steps in a row that failed for the engine's sake count against it; a clean step resets the count
+            self.consecutive_failed_steps = self.consecutive_failed_steps + 1 if engine_fault else 0
             return outputs
         self.consecutive_failed_steps = 0
         return outputs

@@ -15,18 +15,20 @@ def retry_in_groups(batch: ScheduledBatch, execute: Callable[[ScheduledBatch], l
     """Retry the step once without the sequences still in prefill (the newest admissions, where bad input shows
     first), then each of those alone; only a group that fails again is failed. Nothing was committed by the failed
     attempt (computed counts advance after sampling), so a retry recomputes the same KV slots. Returns the outputs
-    and whether every group failed: then nothing could run (a lost device fails everything)."""
+    and whether the engine is at fault: every group failed (a lost device fails everything), or the group of
+    requests that had already decoded did (their input ran before; a broken decode path fails them while each
+    newcomer's prefill still passes alone, which would otherwise look healthy under steady traffic)."""
     newest, older = [], []
     for i, seq in enumerate(batch.seqs):
         (newest if seq.num_output_tokens == 0 else older).append(i)
     groups = ([older] if older else []) + [[i] for i in newest]
-    outputs, num_failed = [], 0
+    outputs, failed = [], []
     for group in groups:
         part = batch.subset(group)
         try:
             outputs += execute(part)
         except Exception as exc:
             log.warning("a retried group of %d requests failed again (%s)", len(group), type(exc).__name__)
-            num_failed += 1
+            failed.append(group)
             outputs += [fail(seq, f"engine step failed: {type(exc).__name__}") for seq in part.seqs]
-    return outputs, num_failed == len(groups)
+    return outputs, len(failed) == len(groups) or (bool(older) and older in failed)

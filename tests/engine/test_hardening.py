@@ -92,6 +92,31 @@ def test_max_tokens_limit_caps_the_default_and_refuses_more(llm32, monkeypatch):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
+def test_a_broken_decode_path_counts_against_the_engine_under_steady_traffic(llm32, monkeypatch):
+    """Issue 41 item 8: each step, the decoding requests failed while a newcomer's prefill passed alone, and that
+    success reset the count, so a replica failing every request stayed healthy."""
+    engine = llm32.engine
+    execute = engine.runner.execute
+
+    def decode_broken(batch):
+        if any(seq.num_output_tokens for seq in batch.seqs):
+            raise RuntimeError("the decode path is broken")
+        return execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", decode_broken)
+    failed = []
+    for i in range(4):  # a new request arrives before every step
+        engine.add_request(f"steady-{i}", f"request number {i}", ORDINARY)
+        failed += [out.request_id for out in engine.step() if out.error]
+    assert failed == ["steady-0", "steady-1", "steady-2"]
+    assert engine.consecutive_failed_steps == 3
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.consecutive_failed_steps == 0
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
 async def test_repeated_failed_steps_and_a_hung_step_make_the_engine_unhealthy():
     engine = AsyncLLMEngine(dtype="float32", num_kv_blocks=64, max_consecutive_failed_steps=2, step_timeout_s=0.5)
     try:
