@@ -3,6 +3,7 @@ stream."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +49,17 @@ def greedy_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return best.indices, best.values.isfinite() & logits.amin(-1).isfinite()
 
 
+class GrammarMask(NamedTuple):
+    """Which tokens each constrained row may take next: `allowed[j]` (bool [vocab]) is row `rows[j]`'s."""
+    rows: list[int]
+    allowed: torch.Tensor
+
+    def within(self, subset: list[int]) -> GrammarMask:
+        """The same mask, its rows renumbered as positions in `subset` (which holds every constrained row)."""
+        position = {row: j for j, row in enumerate(subset)}
+        return GrammarMask([position[row] for row in self.rows], self.allowed)
+
+
 class Sampler:
     def __call__(
         self,
@@ -57,25 +69,47 @@ class Sampler:
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]] | None = None,
         banned_token_ids: list[Collection[int]] | None = None,
-        allowed: torch.Tensor | None = None,
+        grammar: GrammarMask | None = None,
         draft_token_ids: list[int | None] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution), and
         its logprobs where asked for. Never an id outside [0, vocab).
 
         Logprobs are the model's own (before any bias, mask or penalty). Then, in order: logit_bias, the tokens a
-        row may not produce yet (`banned_token_ids`: EOS and stop ids before min_tokens), the grammar's `allowed`
-        mask (bool [n, vocab]), penalties (repetition over prompt and output), then temperature and truncation.
+        row may not produce yet (`banned_token_ids`: EOS and stop ids before min_tokens), the grammar's mask,
+        penalties (repetition over prompt and output), then temperature and truncation.
 
         A row with a speculative draft returns the draft if it is accepted; a greedy row, by its argmax as always, a
-        sampled row by the rejection rule that keeps the row's distribution (`_verify_drafts`)."""
-        banned_token_ids = banned_token_ids or [()] * len(params)
-        if allowed is None and not any(banned_token_ids) and all(_plain_greedy(p) for p in params):
-            return _valid_or_invalid(*greedy_and_finite(logits)), [None] * len(params)  # no float copy of the logits
+        sampled row by the rejection rule that keeps the row's distribution (`_verify_drafts`).
+
+        Plain greedy rows take the argmax of the logits as they are; only the other rows get a float copy to work
+        on, so one constrained or sampled request does not tax its batch-mates."""
+        n = len(params)
+        banned_token_ids = banned_token_ids or [()] * n
+        constrained = set(grammar.rows) if grammar is not None else set()
+        worked = [i for i, p in enumerate(params) if i in constrained or banned_token_ids[i] or not _plain_greedy(p)]
+        if len(worked) == n:
+            return self._work(logits, params, generators, output_token_ids, prompt_token_ids, banned_token_ids,
+                              grammar, draft_token_ids)
+        tokens, logprobs = _valid_or_invalid(*greedy_and_finite(logits)), [None] * n  # no float copy of the logits
+        if worked:
+            pick = lambda values: [values[i] for i in worked] if values is not None else None  # noqa: E731
+            rows = torch.tensor(worked, device=logits.device)
+            part_tokens, part_logprobs = self._work(
+                logits.index_select(0, rows), pick(params), pick(generators), pick(output_token_ids),
+                pick(prompt_token_ids), pick(banned_token_ids), grammar.within(worked) if grammar else None,
+                pick(draft_token_ids))
+            for j, i in enumerate(worked):
+                tokens[i], logprobs[i] = part_tokens[j], part_logprobs[j]
+        return tokens, logprobs
+
+    def _work(self, logits, params, generators, output_token_ids, prompt_token_ids, banned_token_ids, grammar,
+              draft_token_ids) -> tuple[list[int], list[dict[int, float] | None]]:
+        """The rows that need more than an argmax, on a float copy of their logits."""
         finite = finite_rows(logits)
         logits = logits.to(torch.float32, copy=True)  # worked on in place from here
         logprobs = self._logprobs(logits, params)
-        self._restrict(logits, params, banned_token_ids, allowed)
+        self._restrict(logits, params, banned_token_ids, grammar)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, params, output_token_ids, prompt_token_ids)
         candidates = finite & (logits.amax(-1) > float("-inf"))  # a mask may leave a row nothing to choose
@@ -86,7 +120,7 @@ class Sampler:
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
-    def _restrict(logits, params, banned_token_ids, allowed) -> None:
+    def _restrict(logits, params, banned_token_ids, grammar) -> None:
         """logit_bias, then the bans and the grammar mask, in place; one index_put per kind for the whole batch."""
         vocab, device = logits.shape[1], logits.device
         biased = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab]
@@ -98,8 +132,9 @@ class Sampler:
         if banned:
             rows, tokens = zip(*banned)
             logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
-        if allowed is not None:
-            logits.masked_fill_(~allowed, float("-inf"))
+        if grammar is not None:
+            rows = torch.tensor(grammar.rows, device=device)
+            logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~grammar.allowed, float("-inf")))
 
     @staticmethod
     def _apply_penalties(logits, params, output_token_ids, prompt_token_ids) -> torch.Tensor:

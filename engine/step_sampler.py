@@ -30,7 +30,7 @@ class StepSampler:
             prompt_token_ids=per_row([seq.prompt_token_ids for seq in seqs]) if any(
                 p.repetition_penalty != 1.0 for p in params) else None,
             banned_token_ids=per_row([self.not_yet_allowed(seq) for seq in seqs]),
-            allowed=allowed_tokens(per_row([seq.runtime.grammar for seq in seqs]), step.logits.shape[1],
+            grammar=allowed_tokens(per_row([seq.runtime.grammar for seq in seqs]), step.logits.shape[1],
                                    step.logits.device),
             draft_token_ids=[d for seq in seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
         )

@@ -13,6 +13,7 @@ from collections import OrderedDict
 import torch
 
 from engine.errors import EngineInputError
+from engine.sampler import GrammarMask
 from engine.sampling_params import StructuredOutput
 
 # Bounds on what one grammar may cost (llguidance's defaults allow 14 ms of lexer work per token and row): a client's
@@ -101,18 +102,17 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
 
-def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """bool [rows, vocab]: which tokens each row's grammar allows next (every token for rows without one), or None
-    when no row has a grammar."""
-    if all(m is None for m in matchers):
+def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> GrammarMask | None:
+    """Which tokens each row with a grammar allows next, for those rows only; None when no row has one."""
+    rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
         return None
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
-    bitmask = allocate_token_bitmask(len(matchers), vocab_size)  # all ones: unconstrained
-    for row, matcher in enumerate(matchers):
-        if matcher is not None:
-            fill_next_token_bitmask(matcher, bitmask, row)
+    bitmask = allocate_token_bitmask(len(rows), vocab_size)
+    for j, row in enumerate(rows):
+        fill_next_token_bitmask(matchers[row], bitmask, j)
     if device.type != "cpu":  # the packed words cross to the device (32x smaller than the mask), unpacked there
         bitmask = bitmask.pin_memory().to(device, non_blocking=True)
     bits = (bitmask[:, :, None] >> BITS.to(device, non_blocking=True)) & 1
-    return bits.view(len(matchers), -1)[:, :vocab_size].bool()
+    return GrammarMask(rows, bits.view(len(rows), -1)[:, :vocab_size].bool())

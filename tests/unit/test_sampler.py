@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.sampler import INVALID_TOKEN, Sampler, inverse_cdf, make_generator
+from engine.sampler import INVALID_TOKEN, GrammarMask, Sampler, inverse_cdf, make_generator
 from engine.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -57,20 +57,48 @@ def test_logit_bias_moves_tokens_and_bans_and_masks_exclude_them():
     allowed[0, [3, 5]] = True
     params = SamplingParams(temperature=1.0, seed=4, logprobs=0)
     g = make_generator(params)
-    picks = [sampler(LOGITS, [params], [g], [[]], allowed=allowed) for _ in range(200)]
+    picks = [sampler(LOGITS, [params], [g], [[]], grammar=GrammarMask([0], allowed)) for _ in range(200)]
     assert {tokens[0] for tokens, _ in picks} == {3, 5}
     token, entry = picks[0][0][0], picks[0][1][0]
     assert entry[token] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[token]))  # the model's own logprob
 
 
 def test_a_row_with_nothing_allowed_is_invalid_and_its_batch_mates_are_not():
-    allowed = torch.ones(2, VOCAB, dtype=torch.bool)
-    allowed[0] = False
+    nothing = GrammarMask([0], torch.zeros(1, VOCAB, dtype=torch.bool))
     for temperature in (0.0, 1.0):
         params = [SamplingParams(temperature=temperature, seed=1)] * 2
         tokens, _ = Sampler()(LOGITS.repeat(2, 1), params, [make_generator(p) for p in params],
-                              [[], []], allowed=allowed)
+                              [[], []], grammar=nothing)
         assert tokens[0] == INVALID_TOKEN and 0 <= tokens[1] < VOCAB
+
+
+class CopyCounting(torch.Tensor):
+    """Logits that count the float copies made of them (by `.to(float32, copy=True)`), and of how many rows."""
+    copied_rows: list[int] = []
+
+    def to(self, *args, **kwargs):
+        if kwargs.get("copy"):
+            CopyCounting.copied_rows.append(self.shape[0])
+        return super().to(*args, **kwargs)
+
+
+def test_only_rows_that_need_work_are_copied_and_each_gets_what_it_would_alone():
+    """Issue 41 item 5: one grammar row used to push every row of the batch onto the float path."""
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5)
+    params = [greedy, greedy, sampled, greedy, greedy, greedy]
+    mask = torch.zeros(2, VOCAB, dtype=torch.bool)
+    mask[0, 6], mask[1, [1, 2]] = True, True  # rows 1 and 4 have grammars
+    CopyCounting.copied_rows = []
+    tokens, _ = Sampler()(logits.as_subclass(CopyCounting), params, [make_generator(p) for p in params],
+                          [[]] * 6, grammar=GrammarMask([1, 4], mask), banned_token_ids=[(), (), (), (), (), {0}])
+    assert CopyCounting.copied_rows == [4], "rows 1, 2, 4 and 5 need work; rows 0 and 3 take their argmax"
+    argmax = logits.float().argmax(-1).tolist()
+    assert tokens[0] == argmax[0] and tokens[3] == argmax[3] and tokens[1] == 6 and tokens[4] in (1, 2)
+    alone = Sampler()(logits[2:3], [sampled], [make_generator(sampled)], [[]])[0][0]
+    assert tokens[2] == alone, "the sampled row draws as it would alone"
+    banned_alone = Sampler()(logits[5:6], [greedy], [None], [[]], banned_token_ids=[{0}])[0][0]
+    assert tokens[5] == banned_alone != 0
 
 
 def test_repetition_penalty_follows_transformers_over_prompt_and_output():
