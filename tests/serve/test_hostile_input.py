@@ -177,6 +177,27 @@ def test_tool_call_arguments_nested_past_the_parsers_depth_are_kept_as_text_not_
         assert "context" in r.json()["error"]["message"], r.text
 
 
+async def stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[float], list]:
+    """The gaps between another client's streamed chunks while `attack(client)` runs, 1 s into the stream, and
+    the attack's replies."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def chunk_times() -> list[float]:
+            times = []
+            async with client.stream("POST", base_url + CHAT, json=chat(max_tokens=250, ignore_eos=True, stream=True),
+                                     headers=auth) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.monotonic())
+            return times
+
+        streaming = asyncio.create_task(chunk_times())
+        await asyncio.sleep(1.0)
+        replies = await attack(client)
+        times = await streaming
+    return [later - earlier for earlier, later in zip(times, times[1:])], replies
+
+
 def distinct_schema(i: int) -> dict:
     """A legitimate schema that takes llguidance about 0.15 s to compile on this CPU, unique to `i`."""
     row = {"type": "object", "properties": {f"q{i}_{j}": {"type": "string", "pattern": "[a-z]{2,9}"} for j in range(30)}}
@@ -187,23 +208,31 @@ async def test_requests_with_new_schemas_do_not_stall_another_clients_stream(bas
     """24 requests, each with a schema the core has not seen, while another client streams: the core compiles them
     on a thread of its own, so the stream's longest gap between chunks stays under 1 s. (The core used to compile
     them between steps, holding its loop for the sum of their compile times.)"""
-    async with httpx.AsyncClient(timeout=180) as client:
-        async def stream_chunk_times() -> list[float]:
-            times = []
-            body = chat(max_tokens=200, ignore_eos=True, stream=True)
-            async with client.stream("POST", base_url + CHAT, json=body, headers=auth) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        times.append(time.monotonic())
-            return times
+    formats = [{"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": distinct_schema(i)}} for i in range(24)]
 
-        streaming = asyncio.create_task(stream_chunk_times())
-        await asyncio.sleep(1.0)
-        formats = [{"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": distinct_schema(i)}} for i in range(24)]
-        replies = await asyncio.gather(*(client.post(base_url + CHAT, json=chat(max_tokens=4, response_format=f),
-                                                     headers=auth) for f in formats))
-        times = await streaming
+    async def attack(client):
+        return await asyncio.gather(*(client.post(base_url + CHAT, json=chat(max_tokens=4, response_format=f),
+                                                  headers=auth) for f in formats))
+
+    gaps, replies = await stream_gaps_while(base_url, auth, attack)
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200][:2]
-    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
-    assert len(times) >= 150 and max(gaps) < 1.0, f"{len(times)} chunks, longest gap {max(gaps):.2f} s"
+    assert len(gaps) >= 150 and max(gaps) < 1.0, f"{len(gaps)} gaps, longest {max(gaps):.2f} s"
+
+
+async def test_echoed_prompts_scored_for_n_choices_do_not_stall_another_clients_stream(base_url, auth):
+    """Issue 41 item 2's attack: 4 requests with `echo`, `logprobs` 5 and `n` 8 on 2,000-token prompts (each
+    answer megabytes of JSON). The prompt is scored once for all n, in 256-token shares of a step; the stream's
+    longest gap was 4.4-5.7 s before the share. What is left is the step itself: here every step during the attack
+    takes 0.6-0.9 s (1,024 prompt tokens in fp32 on 2 cores, what any 4 long prompts cost), so the bar is 2.5 s,
+    not the issue's 1 s (0.84-1.43 s measured on an AMX Xeon; BENCHMARKS.md)."""
+    prompts = [" ".join(f"w{i}x{j}" for j in range(700)) for i in range(4)]
+
+    async def attack(client):
+        return await asyncio.gather(*(client.post(base_url + COMPLETIONS, headers=auth, json={
+            "prompt": p, "echo": True, "logprobs": 5, "n": 8, "max_tokens": 4}) for p in prompts))
+
+    gaps, replies = await stream_gaps_while(base_url, auth, attack)
+    assert all(r.status_code == 200 for r in replies), [r.text[:200] for r in replies if r.status_code != 200][:2]
+    scored = replies[0].json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(scored) > 1900, len(scored)
+    assert len(gaps) >= 200 and max(gaps) < 2.5, f"{len(gaps)} gaps, longest {max(gaps):.2f} s"
