@@ -59,8 +59,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
                                   self.phases, triton=self.attention_backend == "triton")
         self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
+        # bitsandbytes' NF4/int8 kernels have never been captured here on a GPU: eager until measured
         if self.device.type == "cuda" and not config.enforce_eager and self.model.impl == "native" \
-                and self.attention_backend == "triton":
+                and self.attention_backend == "triton" and config.quantization is None:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

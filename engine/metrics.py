@@ -40,6 +40,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_num_requests_running", "gauge", "Sequences in the running batch"),
     Metric("engine_num_requests_waiting", "gauge", "Requests queued, not yet scheduled"),
     Metric("engine_kv_cache_usage_ratio", "gauge", "Used KV blocks / total KV blocks"),
+    Metric("engine_kv_cache_blocks", "gauge", "KV blocks in the pool: num_kv_blocks, or what the memory profile chose"),
     Metric("engine_prompt_tokens", "counter", "Prefill tokens computed"),
     Metric("engine_generation_tokens", "counter", "Tokens generated"),
     Metric("engine_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
@@ -178,6 +179,7 @@ class StepMetrics:
         sink.set("engine_num_requests_running", stats["num_running"], base)
         sink.set("engine_num_requests_waiting", stats["num_waiting"], base)
         sink.set("engine_kv_cache_usage_ratio", 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"], base)
+        sink.set("engine_kv_cache_blocks", stats["kv_blocks_total"], base)  # what the memory profile chose
         sink.set("engine_resident_memory_bytes", stats["resident_bytes"], base)
         for name, key, labels in self._counters:
             total = stats[key]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.bnb_linear import bnb_linear, bnb_resident_bytes
 from engine.layers.quantized import BlockWeight, PackedBlocks, block_matmul, concat_rows
 
 PACKING_ROWS_HINT = 64
@@ -38,15 +39,23 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.blocks: BlockWeight | PackedBlocks | None = None  # PackedBlocks once packed
         self.block_rows = 0
+        self.bnb: nn.Module | None = None  # NF4 or int8 weights (bnb_linear.py), in place of the dense ones
 
     def load_blocks(self, blocks: BlockWeight) -> None:
         """Keep GGUF blocks for small batches, and their exact dense values for the rest."""
         self.blocks = blocks
         self.weight.data.copy_(blocks.dequantize())
 
+    def quantize(self, kind: str, compute_dtype: torch.dtype) -> None:
+        """Swap the dense weight for bitsandbytes' NF4 or int8 one; the dense copy is dropped."""
+        self.bnb = bnb_linear(self.weight.data, self.bias.data if self.bias is not None else None, kind, compute_dtype)
+        self.weight = self.bias = None
+
     def pack(self) -> None:
         """Swap the weight for its oneDNN layout where that is faster; the plain copy is dropped, not kept twice.
         GGUF blocks go into the layout the block kernel reads."""
+        if self.bnb is not None:
+            return
         if isinstance(self.blocks, BlockWeight):
             self.blocks = self.blocks.pack()
         if can_pack(self.weight):
@@ -54,6 +63,8 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bnb is not None:
+            return self.bnb(x)
         if self.blocks is not None and not torch.compiler.is_compiling() and x.shape[0] <= self.block_rows:
             return block_matmul(x, self.blocks, self.bias)
         return self.dense_forward(x)
@@ -67,6 +78,8 @@ class Linear(nn.Module):
 
     @property
     def resident_bytes(self) -> int:
+        if self.bnb is not None:
+            return bnb_resident_bytes(self.bnb)
         tensors = [self.packed if self.packed is not None else self.weight] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors) + (self.blocks.nbytes if self.blocks is not None else 0)
 

@@ -32,8 +32,6 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
     architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if architecture not in NATIVE:
         return f"no native model for {architecture}"
-    if config.quantization in ("nf4", "int8"):
-        return f"{config.quantization} weights run through bitsandbytes' modules"
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         return f"activation {hf_config.hidden_act}"
     if rope_type(hf_config) not in STATIC_ROPE_TYPES:
@@ -72,6 +70,8 @@ def load_native(path: str, hf_config, config: EngineConfig, device: torch.device
         model.load_weights(gguf_tensors(gguf_path(config), hf_config))
     else:
         model.load_weights(checkpoint_tensors(checkpoint_dir(path)))
+    if config.quantization in ("nf4", "int8"):
+        model.quantize(config.quantization, dtype)
     model.pack()
     if device.type == "cpu":
         model.use_fused_ops(fused_ops())

@@ -193,6 +193,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint has no weights for {missing[:4]} ({len(missing)} missing)")
 
+    def quantize(self, kind: str, dtype: torch.dtype) -> None:
+        """NF4 or int8 weights (bitsandbytes) for every decoder linear; the LM head stays dense, as transformers
+        keeps it (its `llm_int8_skip_modules`)."""
+        for module in self.model.layers.modules():
+            if isinstance(module, Linear):
+                module.quantize(kind, dtype)
+
     def pack(self) -> None:
         """Pack every linear's dense weight, then measure up to how many rows its GGUF blocks (if any) are faster."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]

@@ -27,7 +27,7 @@ def teacher_forced_logprobs(hf_model, prompt_ids: list[int], output_ids: list[in
 
 
 def assert_matches_hf(hf_model, prompt_ids: list[int], output, label: str = "",
-                      logprob_tolerance: float = LOGPROB_TOLERANCE) -> int:
+                      logprob_tolerance: float = LOGPROB_TOLERANCE, near_tie: float = NEAR_TIE) -> int:
     """Every position: the engine's token is HF's argmax (or within NEAR_TIE of it) and, where the engine reported
     logprobs, its logprob is HF's within LOGPROB_TOLERANCE. Returns how many positions were exact argmax."""
     best_ids, best_logprobs, chosen_logprobs = hf_verdicts(hf_model, tuple(prompt_ids), tuple(output.token_ids))
@@ -35,7 +35,7 @@ def assert_matches_hf(hf_model, prompt_ids: list[int], output, label: str = "",
     for position, token in enumerate(output.token_ids):
         best, chosen = best_ids[position], chosen_logprobs[position]
         gap = best_logprobs[position] - chosen
-        assert gap < NEAR_TIE, f"{label}: token {position} is {token}, HF's argmax is {best}, logprob gap {gap:.2e}"
+        assert gap < near_tie, f"{label}: token {position} is {token}, HF's argmax is {best}, logprob gap {gap:.2e}"
         exact += token == best
         if output.logprobs is not None:
             got = output.logprobs[position][token]

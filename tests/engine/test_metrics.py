@@ -25,6 +25,8 @@ CONTRACT = {
     # added 2026-11-24 (issue 15: the step-rate drift), to be written into design.md section 5
     "engine_step_phase_seconds_total": "counter", "engine_gc_collections_total": "counter",
     "engine_gc_pause_seconds_total": "counter", "engine_resident_memory_bytes": "gauge",
+    # added 2026-11-25 (issue 40: the block count the memory profile chose), to be written into design.md section 5
+    "engine_kv_cache_blocks": "gauge",
 }
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
@@ -91,7 +93,7 @@ def test_every_contract_metric_is_exported_with_model_name():
         family = families.get(name.removesuffix("_total"))
         assert family is not None and family.type == kind, (name, family and family.type)
         assert family.samples and all(s.labels.get("model_name") == "m" for s in family.samples), name
-    assert sample(sink, "engine_kv_cache_usage_ratio") == 0.25
+    assert sample(sink, "engine_kv_cache_usage_ratio") == 0.25 and sample(sink, "engine_kv_cache_blocks") == 4
     metrics.flush({**stats, "generation_tokens": 7}, step_tokens=1)
     assert sample(sink, "engine_generation_tokens_total") == 7  # deltas, not re-added totals
 

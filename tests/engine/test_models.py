@@ -12,8 +12,8 @@ pytestmark = pytest.mark.slow
 
 def test_nf4_answers_a_simple_factual_question():
     llm = LLM(quantization="nf4", num_kv_blocks=64)
-    assert llm.engine.model.impl == "hf"  # bitsandbytes' modules live in transformers' model
-    linear = llm.engine.model.hf.model.layers[0].mlp.down_proj
+    assert llm.engine.model.impl == "native"  # bitsandbytes' modules inside the native model (bnb_linear.py)
+    linear = llm.engine.model.model.layers[0].mlp.down_proj.bnb
     assert type(linear).__name__ == "Linear4bit", type(linear)
     out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
                    SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
