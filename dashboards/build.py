@@ -100,7 +100,10 @@ def overview() -> Dashboard:
         Row("Ray Serve"),
         panel("Replicas", "short", [
             Query("sum by (deployment) (ray_serve_deployment_replica_healthy)", "{{deployment}} healthy"),
-            Query("max by (deployment) (ray_serve_autoscaling_target_replicas)", "{{deployment}} target")], 0, 43),
+            Query("max by (deployment) (ray_serve_autoscaling_target_replicas)", "{{deployment}} target"),
+            Query("max by (deployment) (ray_serve_autoscaling_desired_replicas)", "{{deployment}} policy wants")], 0, 43,
+              description="What the autoscaling policy asks for, before Serve's delays; with autoscaling_policy: engine "
+                          "its inputs are the KV cache, waiting, preemption and time-to-first-token panels"),
         panel("Ingress queue", "short", [
             Query("sum(ray_serve_num_ongoing_http_requests)", "ongoing at the proxy"),
             Query("sum by (deployment) (ray_serve_deployment_queued_queries)", "{{deployment}} queued in handles")], 12, 43),
@@ -130,9 +133,10 @@ def per_replica() -> Dashboard:
                                                           "{{replica}} {{phase}}")], 0, 32,
               description="Share of wall time in each phase of the step loop; a phase that grows while the load holds "
                           "is where a slowdown lives"),
-        panel("Garbage-collector pauses", "percentunit", [Query(rate("ray_engine_gc_pause_seconds_total", "replica, generation", labels),
-                                                                "{{replica}} gen {{generation}}")], 12, 32,
-              description="Share of wall time the process spent collecting garbage"),
+        # the counter exists only after a first collection, and the native engine's core may go minutes without one
+        panel("Garbage-collector pauses", "percentunit", [Query(rate("ray_engine_gc_pause_seconds_total", "replica, generation", labels)
+                                                                + " or vector(0)", "{{replica}} gen {{generation}}")], 12, 32,
+              description="Share of wall time the process spent collecting garbage (0: no collection yet)"),
         panel("Resident memory", "bytes", [Query(f"max by (replica) (ray_engine_resident_memory_bytes{{{labels}}})", "{{replica}}")],
               0, 40, description="A replica's process; growth at a steady load is a leak"),
     ]

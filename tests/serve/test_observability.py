@@ -54,7 +54,7 @@ def test_the_second_app_serves_nf4_with_its_own_engine_settings(obs_app):
 
     effective = serve.get_deployment_handle("EngineReplica", app_name="obs").info.remote().result(timeout_s=10)["engine"]
     assert (effective["model_impl"], effective["linear_type"], effective["num_kv_blocks"], effective["max_num_seqs"]) == \
-        ("hf", "Linear4bit", 24, 8)
+        ("native", "Linear4bit", 24, 8)
 
 
 @pytest.fixture(scope="module")
