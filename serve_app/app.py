@@ -30,6 +30,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "upscale_delay_s": args.upscale_delay_s,
             "downscale_delay_s": args.downscale_delay_s,
             "look_back_period_s": args.look_back_period_s,
+            **engine_signal_policy(args),
         },
         graceful_shutdown_timeout_s=args.drain_timeout_s,
         health_check_period_s=5,
@@ -45,6 +46,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         graceful_shutdown_timeout_s=args.drain_timeout_s,
     )
     return ingress.bind(replica.bind(args), args)
+
+
+def engine_signal_policy(args: AppArgs) -> dict[str, Any]:
+    """Serve's `policy` for `autoscaling_policy: engine`; nothing (Serve's default) otherwise."""
+    if args.autoscaling_policy != "engine":
+        return {}
+    return {"policy": {"policy_function": "serve_app.autoscaling:EngineSignalPolicy",
+                       "policy_kwargs": args.engine_signal_targets.model_dump()}}
 
 
 app = build_app()

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import os
 from pathlib import PurePath
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
+from serve_app.autoscaling import EngineSignalTargets
 
 # What serving needs that the offline engine does not: a bounded queue (429 past it), a cap on max_tokens, and the
 # core in a process of its own, so the replica's HTTP and Ray messaging never share an interpreter lock with it.
@@ -29,6 +31,10 @@ class AppArgs(BaseModel):
     upscale_delay_s: float = Field(default=30, ge=0, description="Serve autoscaling: sustained load before adding")
     downscale_delay_s: float = Field(default=600, ge=0, description="Serve autoscaling: sustained idleness before removing")
     look_back_period_s: float = Field(default=30, gt=0, description="Serve autoscaling: window of the load average")
+    autoscaling_policy: Literal["requests", "engine"] = Field(default="requests", description=(
+        "requests: Serve's default, ongoing requests against target_ongoing_requests; engine: KV pool use, the "
+        "waiting queue, preemptions and TTFT p90 against engine_signal_targets (serve_app/autoscaling.py)"))
+    engine_signal_targets: EngineSignalTargets = Field(default_factory=EngineSignalTargets)
     ingress_max_replicas: int = Field(default=2, ge=1)
     ingress_resources: dict[str, float] = Field(default_factory=dict,
                                                 description="custom Ray resources that pin the ingress, e.g. {head: 0.01}")

@@ -16,6 +16,7 @@ from engine.async_engine import RequestStream
 from engine.detokenizer import TokenTexts
 from engine.models import load_tokenizer
 from engine.metrics import StepMetrics
+from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
 from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, TokenLogprob
 from serve_app.metrics import RaySink
@@ -39,6 +40,7 @@ class EngineReplica:
         self.engine.warm_up()  # first-call costs stay out of user latency
         self.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.engine.start()
+        self.signals = ReplicaSignals()  # what the engine-signal autoscaling policy reads (serve_app/autoscaling.py)
         self.model_info = {"max_model_len": self.engine.max_model_len, "model": args.model_name,
                            "engine": self.engine.settings}
         self.placement = {"replica_id": serve.get_replica_context().replica_id.unique_id,
@@ -87,6 +89,7 @@ class EngineReplica:
 
     async def generate(self, job: GenerationJob):
         """Streams: first Admitted or Refused, then Deltas, each for one choice."""
+        started = time.monotonic()
         admitted = await self._admit(job)
         if isinstance(admitted, Refused):
             yield admitted
@@ -110,6 +113,8 @@ class EngineReplica:
                 delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
                 if sent_tokens[index] is None and job.params.prompt_logprobs is not None:
                     delta.prompt_logprobs = prompt_scores
+                if not any(sent_tokens):
+                    self.signals.first_token(time.monotonic() - started)
                 sent_tokens[index], held_text[index] = len(last.token_ids), ""
                 yield delta
         finally:
@@ -144,6 +149,10 @@ class EngineReplica:
 
     def info(self) -> dict:
         return self.model_info
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook: the engine's signals, for `autoscaling_policy: engine`."""
+        return self.signals.report(self.engine.stats())
 
     async def check_health(self) -> None:
         """Serve replaces this replica when it raises: a dead loop, repeated failed steps or a hung step."""

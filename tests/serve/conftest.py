@@ -30,6 +30,8 @@ def serve_app():
     # as `make serve`: workers at nice 0 (at Ray's 15, on a slow 2-core AVX2 box the Locust smoke completed 6
     # requests in 20 s instead of dozens)
     setdefault_ray_env()
+    # replicas push autoscaling metrics every second instead of 10, so the autoscaling test sees its load in time
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     header_timeout_s = 2.0  # Serve's proxy reads it when it starts (serve_app/header_deadline.py)
     os.environ["LLM_SERVE_HEADER_TIMEOUT_S"] = str(header_timeout_s)
     metrics_port = free_port()

@@ -1,0 +1,64 @@
+"""Engine-signal autoscaling through real Ray Serve (issue 44): a few long-context requests fill a replica's KV pool
+while the request count stays far under target_ongoing_requests, where Serve's default policy would hold at one
+replica (tests/unit/test_autoscaling.py shows that on the same figures). The engine policy adds the second replica,
+then removes it once the load is gone."""
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import wait_healthy
+
+
+def running_replicas(app: str) -> int:
+    from ray import serve
+
+    deployment = serve.status().applications[app].deployments["EngineReplica"]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+def wait_for_replicas(app: str, count: int, timeout_s: float) -> float:
+    started = time.monotonic()
+    while running_replicas(app) != count:
+        assert time.monotonic() - started < timeout_s, f"{app} did not reach {count} replicas in {timeout_s} s"
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def scaling_app(serve_app):
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8}
+    args = {**serve_app["args"], "served_model_name": "scaling", "engine": engine, "num_cpus": 0.25,
+            "autoscaling_policy": "engine", "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 64,
+            "upscale_delay_s": 0, "downscale_delay_s": 4, "look_back_period_s": 3,
+            # the pool, the queue or preemptions must say it: a TTFT target this loose never does on this CPU
+            "engine_signal_targets": {"kv_usage_high": 0.7, "ttft_p90_slo_s": 60}}
+    serve.run(build_app(args), name="scaling", route_prefix="/scaling", blocking=False)
+    base = serve_app["base_url"] + "/scaling"
+    wait_healthy(base)
+    try:
+        yield base
+    finally:
+        serve.delete("scaling")
+
+
+async def test_a_full_kv_pool_adds_a_replica_that_goes_when_the_load_does(scaling_app, auth):
+    assert running_replicas("scaling") == 1
+    long_prompt = " ".join(f"fact {i} about the pool" for i in range(35))  # about 240 tokens of the 384 in the pool
+
+    async def one(client, i):
+        body = {"prompt": f"{i} {long_prompt}", "max_tokens": 120, "ignore_eos": True}
+        return await client.post(scaling_app + "/v1/completions", json=body, headers=auth)
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        load = asyncio.gather(*(one(client, i) for i in range(3)))  # 3 requests against a target of 64
+        scaled_out_after = await asyncio.to_thread(wait_for_replicas, "scaling", 2, 90)
+        replies = await load
+    assert all(r.status_code == 200 for r in replies), [r.text[:200] for r in replies]
+    scaled_in_after = await asyncio.to_thread(wait_for_replicas, "scaling", 1, 90)
+    print(f"scaled out after {scaled_out_after:.1f} s, back in {scaled_in_after:.1f} s after the load")
