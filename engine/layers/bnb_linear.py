@@ -11,7 +11,10 @@ INT8_OUTLIER_THRESHOLD = 6.0  # transformers' llm_int8_threshold default
 
 
 def bnb_linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, compute_dtype: torch.dtype) -> nn.Module:
-    import bitsandbytes as bnb
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError(f"quantization {kind} needs bitsandbytes: pip install 'llm-serve[quant]'") from None
 
     out_features, in_features = weight.shape
     if kind == "nf4":

