@@ -37,6 +37,8 @@ class EngineReplica:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.engine = AsyncLLMEngine(args.engine)
         self._token_texts = TokenTexts(load_tokenizer(args.engine))  # logprobs' token texts and echo, on the event loop
+        # a scored prompt's thousands of entries are formatted on the tokenizer thread, with a tokenizer of its own
+        self._scoring_texts = TokenTexts(load_tokenizer(args.engine))
         self.engine.warm_up()  # first-call costs stay out of user latency
         self.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.engine.start()
@@ -106,7 +108,8 @@ class EngineReplica:
                 last = outputs[-1]
                 held_text[index] += "".join(o.delta_text for o in outputs)
                 if index == 0 and prompt_scores is None and last.prompt_logprobs is not None:
-                    prompt_scores = self._prompt_logprobs(last, job.params.prompt_logprobs)
+                    prompt_scores = await asyncio.get_running_loop().run_in_executor(
+                        self._tokenizer_thread, self._prompt_logprobs, last, job.params.prompt_logprobs)
                 waits_for_scores = job.params.prompt_logprobs is not None and prompt_scores is None
                 if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], job.stream_interval):
                     continue  # a later choice waits for the first one's prompt scores (they come first in practice)
@@ -124,24 +127,16 @@ class EngineReplica:
     def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, top_logprobs: int | None) -> Delta:
         logprobs = None
         if top_logprobs is not None and last.logprobs is not None:
-            logprobs = [self._token_logprob(token, entry, top_logprobs)
+            logprobs = [_token_logprob(self._token_texts, token, entry, top_logprobs)
                         for token, entry in zip(last.token_ids[sent_tokens:], last.logprobs[sent_tokens:])]
         return Delta(index, text, len(last.token_ids), last.finish_reason,
                      last.error, logprobs, last.num_cached_tokens)
 
     def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
-        text, raw = self._token_texts(output.prompt_token_ids[0])
-        return [TokenLogprob(text, None, raw), *(self._token_logprob(token, entry, top)
+        texts = self._scoring_texts
+        text, raw = texts(output.prompt_token_ids[0])
+        return [TokenLogprob(text, None, raw), *(_token_logprob(texts, token, entry, top)
                          for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
-
-    def _token_logprob(self, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
-        """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked."""
-        text, raw = self._token_texts(token)
-        ranked = []
-        for other, logprob in sorted(entry.items(), key=lambda item: -item[1])[:top]:
-            other_text, other_raw = self._token_texts(other)
-            ranked.append((other_text, logprob, other_raw))
-        return TokenLogprob(text, entry[token], raw, ranked)
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.placement, "time": time.time(),
@@ -164,6 +159,16 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=1.0)
+
+
+def _token_logprob(texts: TokenTexts, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
+    """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked."""
+    text, raw = texts(token)
+    ranked = []
+    for other, logprob in sorted(entry.items(), key=lambda item: -item[1])[:top]:
+        other_text, other_raw = texts(other)
+        ranked.append((other_text, logprob, other_raw))
+    return TokenLogprob(text, entry[token], raw, ranked)
 
 
 def _refusal(exc: Exception, job: GenerationJob) -> Refused:
