@@ -1,6 +1,6 @@
 """Engine-signal autoscaling through real Ray Serve (issue 44): a few long-context requests fill a replica's KV pool
 while the request count stays far under target_ongoing_requests, where Serve's default policy would hold at one
-replica (tests/unit/test_autoscaling.py shows that on the same figures). The engine policy adds the second replica,
+replica (tests/unit/test_autoscaling_policy.py shows that on the same figures). The engine policy adds the second replica,
 then removes it once the load is gone."""
 import asyncio
 import time
