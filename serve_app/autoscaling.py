@@ -53,18 +53,20 @@ def deployment_signals(aggregated: dict | None, replicas: list) -> DeploymentSig
 
 
 def decide(signals: DeploymentSignals, targets: EngineSignalTargets) -> tuple[str, list[str]]:
-    """'up' when any signal is over its target, 'down' when every one is below its low-water mark, else 'hold';
-    with the signals that said so."""
+    """'up' when any signal is over its target, 'down' when the pool is low with nothing waiting or preempted,
+    else 'hold'; with the signals that said so. TTFT is the last minute's, so it counts only while there is load
+    (the pool above its low-water mark, or a queue): once the load has gone, old slow first tokens must neither add
+    a replica nor keep one."""
+    loaded = signals.kv_usage >= targets.kv_usage_low or signals.waiting > 0
     over = [name for name, hot in (
         ("kv_usage", signals.kv_usage > targets.kv_usage_high),
         ("waiting", signals.waiting > targets.waiting_high),
         ("preemptions_per_s", signals.preemptions_per_s > targets.preemptions_high_per_s),
-        ("ttft_p90_s", signals.ttft_p90_s > targets.ttft_p90_slo_s)) if hot]
+        ("ttft_p90_s", loaded and signals.ttft_p90_s > targets.ttft_p90_slo_s)) if hot]
     if over:
         return "up", over
-    idle = (signals.kv_usage < targets.kv_usage_low and signals.waiting == 0 and signals.preemptions_per_s == 0
-            and signals.ttft_p90_s < targets.ttft_p90_slo_s / 2)
-    return ("down", list(SIGNALS)) if idle else ("hold", [])
+    idle = not loaded and signals.preemptions_per_s == 0
+    return ("down", ["kv_usage", "waiting", "preemptions_per_s"]) if idle else ("hold", [])
 
 
 class EngineSignalPolicy:
