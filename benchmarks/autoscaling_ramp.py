@@ -1,0 +1,158 @@
+"""The same load ramp under Serve's request-count autoscaling and under the engine-signal policy (issue 44), on one
+local Ray node: a phase of short chats, a phase of few long-context requests that fill the KV pool while the
+request count stays under target_ongoing_requests, then quiet. Records the replica count every second and each
+request's time to first token; prints a table and writes a PNG and a JSON to benchmarks/results/.
+
+    python benchmarks/autoscaling_ramp.py [--short-s 30] [--long-s 90] [--quiet-s 45]
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KEY = "ramp-key"
+LONG_PROMPT = " ".join(f"clause {i} of the long contract under review" for i in range(60))  # ~480 tokens
+
+
+def app_args(policy: str) -> dict:
+    engine = {"dtype": "float32", "num_kv_blocks": 48, "max_num_seqs": 16, "max_waiting": 64, "max_tokens_limit": 256}
+    return {"engine": engine, "api_key": KEY, "autoscaling_policy": policy, "num_cpus": 0.25, "min_replicas": 1,
+            "max_replicas": 2, "target_ongoing_requests": 8, "upscale_delay_s": 5, "downscale_delay_s": 15,
+            "look_back_period_s": 5}
+
+
+def replicas() -> int:
+    from ray import serve
+
+    status = serve.status().applications.get("ramp")
+    return status.deployments["EngineReplica"].replica_states.get("RUNNING", 0) if status else 0
+
+
+async def closed_loop(client, url: str, users: int, until: float, body, ttfts: list, phase: str) -> None:
+    async def user(i: int):
+        while time.monotonic() < until:
+            started = time.monotonic()
+            async with client.stream("POST", url, json={**body(i), "stream": True},
+                                     headers={"Authorization": f"Bearer {KEY}"}) as r:
+                first = None
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data: {"):
+                        first = time.monotonic() - started
+                ttfts.append((started, phase, first if r.status_code == 200 else None))
+    await asyncio.gather(*(user(i) for i in range(users)))
+
+
+async def ramp(base: str, short_s: float, long_s: float, quiet_s: float) -> tuple[list, list]:
+    samples, ttfts, stop = [], [], threading.Event()
+    t0 = time.monotonic()
+
+    def sample():
+        while not stop.is_set():
+            samples.append((time.monotonic() - t0, replicas()))
+            stop.wait(1.0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    url = base + "/v1/completions"
+    async with httpx.AsyncClient(timeout=600) as client:
+        await closed_loop(client, url, 4, time.monotonic() + short_s,
+                          lambda i: {"prompt": f"Say hello to user {i}.", "max_tokens": 32, "ignore_eos": True}, ttfts, "short")
+        await closed_loop(client, url, 6, time.monotonic() + long_s,
+                          lambda i: {"prompt": f"{i} {LONG_PROMPT}", "max_tokens": 64, "ignore_eos": True}, ttfts, "long")
+    await asyncio.sleep(quiet_s)
+    stop.set()
+    sampler.join()
+    return samples, [(s - t0, phase, ttft) for s, phase, ttft in ttfts]
+
+
+def run_policy(policy: str, short_s: float, long_s: float, quiet_s: float) -> dict:
+    from ray import serve
+
+    from loadtest.run import wait_healthy
+    from serve_app.app import build_app
+
+    serve.run(build_app(app_args(policy)), name="ramp", route_prefix="/ramp", blocking=False)
+    base = "http://127.0.0.1:8000/ramp"
+    wait_healthy(base, 300)
+    try:
+        samples, ttfts = asyncio.run(ramp(base, short_s, long_s, quiet_s))
+    finally:
+        serve.delete("ramp")
+    long_start = short_s
+    out = [t for t, n in samples if t >= long_start and n >= 2]
+    back = [t for t, n in samples if t >= short_s + long_s and n == 1]
+    long_ttfts = sorted(x for _, phase, x in ttfts if phase == "long" and x is not None)
+    return {"policy": policy, "samples": samples, "ttfts": ttfts,
+            "scale_out_after_long_start_s": out[0] - long_start if out else None,
+            "scale_in_after_load_s": back[0] - (short_s + long_s) if back else None,
+            "long_ttft_p95_s": long_ttfts[int(0.95 * (len(long_ttfts) - 1))] if long_ttfts else None,
+            "long_ttft_median_s": statistics.median(long_ttfts) if long_ttfts else None,
+            "long_requests": len(long_ttfts), "failed": sum(1 for *_, x in ttfts if x is None)}
+
+
+def plot(results: list[dict], path: Path, short_s: float, long_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for r in results:
+        top.step([t for t, _ in r["samples"]], [n for _, n in r["samples"]], where="post", label=r["policy"])
+        bottom.scatter([t for t, _, x in r["ttfts"] if x is not None], [x for *_, x in r["ttfts"] if x is not None],
+                       s=6, label=r["policy"])
+    for ax in (top, bottom):
+        ax.axvspan(short_s, short_s + long_s, color="grey", alpha=0.15)
+    top.set_ylabel("running replicas")
+    bottom.set_ylabel("time to first token (s)")
+    bottom.set_xlabel("seconds (shaded: the long-context phase)")
+    top.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(short_s: float = 30, long_s: float = 90, quiet_s: float = 45, policies: str = "requests,engine"):
+    import ray
+    from ray import serve
+
+    from serve_app.ray_env import setdefault_ray_env
+
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+    setdefault_ray_env()
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    try:
+        results = [run_policy(p, short_s, long_s, quiet_s) for p in policies.split(",")]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"autoscaling-ramp-{stamp}.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / f"autoscaling-ramp-{stamp}.png", short_s, long_s)
+    table = Table(title=f"the same ramp under each policy ({short_s:.0f} s short chats, {long_s:.0f} s long contexts, "
+                        f"{quiet_s:.0f} s quiet): autoscaling-ramp-{stamp}.png")
+    for column in ("policy", "scale-out after the long phase starts", "back to 1 after the load", "long TTFT p50",
+                   "long TTFT p95", "long requests", "failed"):
+        table.add_column(column, justify="right")
+    fmt = lambda v: "never" if v is None else f"{v:.1f} s"  # noqa: E731
+    for r in results:
+        table.add_row(r["policy"], fmt(r["scale_out_after_long_start_s"]), fmt(r["scale_in_after_load_s"]),
+                      fmt(r["long_ttft_median_s"]), fmt(r["long_ttft_p95_s"]), str(r["long_requests"]), str(r["failed"]))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    typer.run(main)
