@@ -57,7 +57,7 @@ async def test_a_full_kv_pool_adds_a_replica_that_goes_when_the_load_does(scalin
 
     async with httpx.AsyncClient(timeout=300) as client:
         load = asyncio.gather(*(one(client, i) for i in range(3)))  # 3 requests against a target of 64
-        scaled_out_after = await asyncio.to_thread(wait_for_replicas, "scaling", 2, 90)
+        scaled_out_after = await asyncio.to_thread(wait_for_replicas, "scaling", 2, 150)
         replies = await load
     assert all(r.status_code == 200 for r in replies), [r.text[:200] for r in replies]
     scaled_in_after = await asyncio.to_thread(wait_for_replicas, "scaling", 1, 90)
