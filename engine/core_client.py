@@ -28,6 +28,7 @@ from engine.host_memory import with_huge_page_heap
 from engine.input_processor import InputProcessor
 from engine.metrics import MetricsSink, StepMetrics, replay
 from engine.models import load_tokenizer
+from engine.step_recovery import step_problem
 from engine.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -164,13 +165,10 @@ class ProcessCore:
             return self.dead_reason
         if self.process.poll() is not None:
             return f"the engine core process exited with code {self.process.returncode}"
-        waited = time.monotonic() - self._last_progress
-        if self._totals and waited > self.config.step_timeout_s:
-            return f"no engine step finished in {waited:.0f} s with requests in flight (limit {self.config.step_timeout_s:g} s)"
-        failed = self._stats.get("consecutive_failed_steps", 0)
-        if failed >= self.config.max_consecutive_failed_steps:
-            return f"{failed:.0f} engine steps in a row failed"
-        return None
+        waited = time.monotonic() - self._last_progress if self._totals else None
+        return step_problem(waited, "with requests in flight, no engine step finished in",
+                            self._stats.get("consecutive_failed_steps", 0), self.config.step_timeout_s,
+                            self.config.max_consecutive_failed_steps)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._closing:

@@ -12,6 +12,7 @@ from engine.core_messages import EngineRequest
 from engine.llm_engine import LLMEngine
 from engine.metrics import StepMetrics
 from engine.sequence import RequestOutput
+from engine.step_recovery import step_problem
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
@@ -65,13 +66,10 @@ class ThreadCore:
         run, or one step running past its deadline (a hung kernel or device)."""
         if self._thread is None or not self._thread.is_alive() or self.dead_reason is not None:
             return self.dead_reason or "the engine loop is not running"
-        engine, config = self.engine, self.config
-        started = engine.step_started_at
-        if started is not None and time.monotonic() - started > config.step_timeout_s:
-            return f"an engine step has run for {time.monotonic() - started:.0f} s (limit {config.step_timeout_s:g} s)"
-        if engine.consecutive_failed_steps >= config.max_consecutive_failed_steps:
-            return f"{engine.consecutive_failed_steps} engine steps in a row failed"
-        return None
+        started = self.engine.step_started_at
+        return step_problem(None if started is None else time.monotonic() - started, "an engine step has run for",
+                            self.engine.consecutive_failed_steps, self.config.step_timeout_s,
+                            self.config.max_consecutive_failed_steps)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -1,4 +1,5 @@
-"""When a step raises, find the requests that broke it, fail only those, and serve the rest in the same step."""
+"""When a step raises, find the requests that broke it, fail only those, and serve the rest in the same step; and
+what the record of steps says against the engine (its health)."""
 from __future__ import annotations
 
 import logging
@@ -32,3 +33,14 @@ def retry_in_groups(batch: ScheduledBatch, execute: Callable[[ScheduledBatch], l
             failed.append(group)
             outputs += [fail(seq, f"engine step failed: {type(exc).__name__}") for seq in part.seqs]
     return outputs, len(failed) == len(groups) or (bool(older) and older in failed)
+
+
+def step_problem(stalled_s: float | None, stall: str, failed_steps: float, step_timeout_s: float,
+                 max_consecutive_failed_steps: int) -> str | None:
+    """What the step loop's own record says against the engine, or None: a step (or the wait for one) past its
+    deadline, described by `stall`, or too many failed steps in a row. Both cores, thread and process, ask it."""
+    if stalled_s is not None and stalled_s > step_timeout_s:
+        return f"{stall} {stalled_s:.0f} s (limit {step_timeout_s:g} s)"
+    if failed_steps >= max_consecutive_failed_steps:
+        return f"{failed_steps:.0f} engine steps in a row failed"
+    return None
