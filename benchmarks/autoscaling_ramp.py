@@ -3,7 +3,10 @@ local Ray node: a phase of short chats, a phase of few long-context requests tha
 request count stays under target_ongoing_requests, then quiet. Records the replica count every second and each
 request's time to first token; prints a table and writes a PNG and a JSON to benchmarks/results/.
 
-    python benchmarks/autoscaling_ramp.py [--short-s 30] [--long-s 90] [--quiet-s 45]
+    python benchmarks/autoscaling_ramp.py [--short-s 30] [--long-s 90] [--quiet-s 45] [--threads 1]
+
+--threads: each replica's engine threads (default: all cores). With 1, a replica owns one of the 2 cores, the
+way a GPU replica owns its GPU, so a second replica adds capacity instead of oversubscribing the first's cores.
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ KEY = "ramp-key"
 LONG_PROMPT = " ".join(f"clause {i} of the long contract under review" for i in range(60))  # ~480 tokens
 
 
-def app_args(policy: str) -> dict:
-    engine = {"dtype": "float32", "num_kv_blocks": 48, "max_num_seqs": 16, "max_waiting": 64, "max_tokens_limit": 256}
+def app_args(policy: str, threads: int | None) -> dict:
+    engine = {"dtype": "float32", "num_kv_blocks": 48, "max_num_seqs": 16, "max_waiting": 64, "max_tokens_limit": 256,
+              "num_threads": threads}
     return {"engine": engine, "api_key": KEY, "autoscaling_policy": policy, "num_cpus": 0.25, "min_replicas": 1,
             "max_replicas": 2, "target_ongoing_requests": 8, "upscale_delay_s": 5, "downscale_delay_s": 15,
             "look_back_period_s": 5}
@@ -77,13 +81,13 @@ async def ramp(base: str, short_s: float, long_s: float, quiet_s: float) -> tupl
     return samples, [(s - t0, phase, ttft) for s, phase, ttft in ttfts]
 
 
-def run_policy(policy: str, short_s: float, long_s: float, quiet_s: float) -> dict:
+def run_policy(policy: str, short_s: float, long_s: float, quiet_s: float, threads: int | None) -> dict:
     from ray import serve
 
     from loadtest.run import wait_healthy
     from serve_app.app import build_app
 
-    serve.run(build_app(app_args(policy)), name="ramp", route_prefix="/ramp", blocking=False)
+    serve.run(build_app(app_args(policy, threads)), name="ramp", route_prefix="/ramp", blocking=False)
     base = "http://127.0.0.1:8000/ramp"
     wait_healthy(base, 300)
     try:
@@ -123,7 +127,8 @@ def plot(results: list[dict], path: Path, short_s: float, long_s: float) -> None
     fig.savefig(path)
 
 
-def main(short_s: float = 30, long_s: float = 90, quiet_s: float = 45, policies: str = "requests,engine"):
+def main(short_s: float = 30, long_s: float = 90, quiet_s: float = 45, policies: str = "requests,engine",
+         threads: int | None = None):
     import ray
     from ray import serve
 
@@ -134,7 +139,7 @@ def main(short_s: float = 30, long_s: float = 90, quiet_s: float = 45, policies:
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     try:
-        results = [run_policy(p, short_s, long_s, quiet_s) for p in policies.split(",")]
+        results = [run_policy(p, short_s, long_s, quiet_s, threads) for p in policies.split(",")]
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -142,7 +147,7 @@ def main(short_s: float = 30, long_s: float = 90, quiet_s: float = 45, policies:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"autoscaling-ramp-{stamp}.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"autoscaling-ramp-{stamp}.png", short_s, long_s)
-    table = Table(title=f"the same ramp under each policy ({short_s:.0f} s short chats, {long_s:.0f} s long contexts, "
+    table = Table(title=f"the same ramp under each policy, engine threads {threads or 'all'} ({short_s:.0f} s short chats, {long_s:.0f} s long contexts, "
                         f"{quiet_s:.0f} s quiet): autoscaling-ramp-{stamp}.png")
     for column in ("policy", "scale-out after the long phase starts", "back to 1 after the load", "long TTFT p50",
                    "long TTFT p95", "long requests", "failed"):
