@@ -166,9 +166,8 @@ class ProcessCore:
         if self.process.poll() is not None:
             return f"the engine core process exited with code {self.process.returncode}"
         waited = time.monotonic() - self._last_progress if self._totals else None
-        return step_problem(waited, "with requests in flight, no engine step finished in",
-                            self._stats.get("consecutive_failed_steps", 0), self.config.step_timeout_s,
-                            self.config.max_consecutive_failed_steps)
+        return step_problem(self.config, waited, "with requests in flight, no engine step finished in",
+                            self._stats.get("consecutive_failed_steps", 0))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._closing:

@@ -67,9 +67,8 @@ class ThreadCore:
         if self._thread is None or not self._thread.is_alive() or self.dead_reason is not None:
             return self.dead_reason or "the engine loop is not running"
         started = self.engine.step_started_at
-        return step_problem(None if started is None else time.monotonic() - started, "an engine step has run for",
-                            self.engine.consecutive_failed_steps, self.config.step_timeout_s,
-                            self.config.max_consecutive_failed_steps)
+        return step_problem(self.config, None if started is None else time.monotonic() - started,
+                            "an engine step has run for", self.engine.consecutive_failed_steps)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from engine.config import EngineConfig
 from engine.scheduler import ScheduledBatch
 from engine.sequence import RequestOutput, Sequence
 
@@ -35,12 +36,11 @@ def retry_in_groups(batch: ScheduledBatch, execute: Callable[[ScheduledBatch], l
     return outputs, len(failed) == len(groups) or (bool(older) and older in failed)
 
 
-def step_problem(stalled_s: float | None, stall: str, failed_steps: float, step_timeout_s: float,
-                 max_consecutive_failed_steps: int) -> str | None:
+def step_problem(config: EngineConfig, stalled_s: float | None, stall: str, failed_steps: float) -> str | None:
     """What the step loop's own record says against the engine, or None: a step (or the wait for one) past its
     deadline, described by `stall`, or too many failed steps in a row. Both cores, thread and process, ask it."""
-    if stalled_s is not None and stalled_s > step_timeout_s:
-        return f"{stall} {stalled_s:.0f} s (limit {step_timeout_s:g} s)"
-    if failed_steps >= max_consecutive_failed_steps:
+    if stalled_s is not None and stalled_s > config.step_timeout_s:
+        return f"{stall} {stalled_s:.0f} s (limit {config.step_timeout_s:g} s)"
+    if failed_steps >= config.max_consecutive_failed_steps:
         return f"{failed_steps:.0f} engine steps in a row failed"
     return None

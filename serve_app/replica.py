@@ -116,7 +116,7 @@ class EngineReplica:
                 delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
                 if sent_tokens[index] is None and job.params.prompt_logprobs is not None:
                     delta.prompt_logprobs = prompt_scores
-                if not any(sent_tokens):
+                if all(sent is None for sent in sent_tokens):  # the request's first chunk
                     self.signals.first_token(time.monotonic() - started)
                 sent_tokens[index], held_text[index] = len(last.token_ids), ""
                 yield delta

@@ -106,6 +106,23 @@ def replica_blocks_free_after_test(request):
 
 
 @contextlib.contextmanager
+def whole_app(serve_app, name: str, **changes):
+    """A second app, ingress and engine replica, built from the session's args with `changes`, at /{name}: for
+    engine settings the session's replica does not have. Yields its base URL and deletes the app afterwards."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app({**serve_app["args"], **changes}), name=name, route_prefix=f"/{name}", blocking=False)
+    try:
+        base = serve_app["base_url"] + f"/{name}"
+        wait_healthy(base)
+        yield base
+    finally:
+        serve.delete(name)
+
+
+@contextlib.contextmanager
 def ingress_only_app(serve_app, replica_handle, name: str, **changes):
     """A second ingress, with its own args, in front of the session's engine replica: no second model to load.
     Yields its base URL and deletes the app afterwards."""

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.conftest import wait_healthy
+from tests.serve.conftest import whole_app
 
 
 def running_replicas(app: str) -> int:
@@ -28,23 +28,13 @@ def wait_for_replicas(app: str, count: int, timeout_s: float) -> float:
 
 @pytest.fixture(scope="module")
 def scaling_app(serve_app):
-    from ray import serve
-
-    from serve_app.app import build_app
-
     engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8}
-    args = {**serve_app["args"], "served_model_name": "scaling", "engine": engine, "num_cpus": 0.25,
-            "autoscaling_policy": "engine", "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 64,
-            "upscale_delay_s": 0, "downscale_delay_s": 4, "look_back_period_s": 3,
-            # the pool, the queue or preemptions must say it: a TTFT target this loose never does on this CPU
-            "engine_signal_targets": {"kv_usage_high": 0.7, "ttft_p90_slo_s": 60}}
-    serve.run(build_app(args), name="scaling", route_prefix="/scaling", blocking=False)
-    base = serve_app["base_url"] + "/scaling"
-    wait_healthy(base)
-    try:
+    with whole_app(serve_app, "scaling", served_model_name="scaling", engine=engine, num_cpus=0.25,
+                   autoscaling_policy="engine", min_replicas=1, max_replicas=2, target_ongoing_requests=64,
+                   upscale_delay_s=0, downscale_delay_s=4, look_back_period_s=3,
+                   # the pool, the queue or preemptions must say it: a TTFT target this loose never does on this CPU
+                   engine_signal_targets={"kv_usage_high": 0.7, "ttft_p90_slo_s": 60}) as base:
         yield base
-    finally:
-        serve.delete("scaling")
 
 
 async def test_a_full_kv_pool_adds_a_replica_that_goes_when_the_load_does(scaling_app, auth):

@@ -13,7 +13,7 @@ import yaml
 from dashboards.build import panel_queries, render
 from dashboards.report import substitute
 from tests.prometheus_server import query, running_prometheus
-from tests.serve.conftest import wait_healthy
+from tests.serve.conftest import whole_app
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +31,12 @@ SHARED_PREFIX = "You are a careful assistant who answers in one short paragraph.
 def obs_app(serve_app):
     """A second app with a tiny KV pool (so preemptions happen), its own model_name (so counts are exact) and NF4
     weights (so a non-default engine setting is shown to reach a served engine)."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
     engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8, "quantization": "nf4",
               "speculative": {"num_speculative_tokens": 3, "disable_by_batch_size": 8, "weigh_cost": False}}
     # NF4 through bitsandbytes is slow on CPUs without AVX-512 (an AVX2 EPYC ran past the session app's 60 s): this
     # test is about metrics, not deadlines
-    args = {**serve_app["args"], "served_model_name": MODEL, "engine": engine, "request_timeout_s": 300}
-    serve.run(build_app(args), name="obs", route_prefix="/obs", blocking=False)
-    base = serve_app["base_url"] + "/obs"
-    wait_healthy(base)
-    try:
+    with whole_app(serve_app, "obs", served_model_name=MODEL, engine=engine, request_timeout_s=300) as base:
         yield base
-    finally:
-        serve.delete("obs")
 
 
 def test_the_second_app_serves_nf4_with_its_own_engine_settings(obs_app):
