@@ -51,7 +51,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # reuse from the front
-        self.hash_to_block: dict[bytes, int] = {}
+        # every block holding a hash: a prompt scored for its logprobs skips the cache and computes blocks that are
+        # already cached, and one copy's eviction must not hide the other (vLLM's BlockPool keeps them all too)
+        self.hash_to_blocks: dict[bytes, dict[int, None]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_evictions = 0  # cached blocks reused for other content
@@ -77,7 +79,7 @@ class BlockManager:
         parent = root_hash(cache_salt)
         for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
             key = (parent, tuple(token_ids[start : start + self.block_size]))
-            block_id = self.hash_to_block.get(hash_block(key[1], parent))
+            block_id = next(iter(self.hash_to_blocks.get(hash_block(key[1], parent), ())), None)
             if block_id is None or self.blocks[block_id].key != key:
                 break
             matched.append(block_id)
@@ -161,8 +163,10 @@ class BlockManager:
 
     def _evict(self, block: Block) -> None:
         self.prefix_cache_evictions += 1
-        if self.hash_to_block.get(block.hash) == block.block_id:
-            del self.hash_to_block[block.hash]
+        copies = self.hash_to_blocks[block.hash]
+        del copies[block.block_id]
+        if not copies:
+            del self.hash_to_blocks[block.hash]
         block.hash, block.key = NO_HASH, None
 
     def _publish(self, seq: Sequence, index: int) -> None:
@@ -173,4 +177,4 @@ class BlockManager:
         tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
         block.key = (parent, tokens)
         block.hash = hash_block(tokens, parent)
-        self.hash_to_block.setdefault(block.hash, block.block_id)
+        self.hash_to_blocks.setdefault(block.hash, {})[block.block_id] = None

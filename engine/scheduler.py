@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
-SCORED_CHUNK = 256  # prompt tokens a step computes at most, over all requests that asked for prompt logprobs
+# Requests that asked for prompt logprobs share this fraction of a step's token budget. Each scored row also takes
+# the LM head and a log-softmax over the vocabulary, and a whole budget of them is the costliest step there is: with
+# the CPU config's 1,024 a step of 128 scored tokens over a 4k-token context takes 0.3-0.45 s on 2 cores in fp32, so
+# another client's stream keeps a token a second under an echo attack; the GPU config's 4,096 scores 512 a step.
+SCORED_SHARE = 8
 
 
 def _scoring_prompt(seq: Sequence) -> bool:
@@ -50,7 +54,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; preemption takes from the end
         self.num_preemptions = 0
-        self._scored_left = SCORED_CHUNK  # of this step's prompt tokens for requests that score their prompt
+        self.max_scored_tokens = max(1, max_num_batched_tokens // SCORED_SHARE)
+        self._scored_left = self.max_scored_tokens  # of this step's prompt tokens for requests that score their prompt
 
     @property
     def num_unfinished(self) -> int:
@@ -62,7 +67,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self._scored_left = SCORED_CHUNK
+        self._scored_left = self.max_scored_tokens
         budget = self._schedule_running(batch)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
@@ -92,9 +97,7 @@ class Scheduler:
         return budget
 
     def _chunk_budget(self, seq: Sequence, budget: int) -> int:
-        """Prompts being scored (prompt logprobs) share SCORED_CHUNK tokens a step: each of their rows takes the LM
-        head and a log-softmax over the vocabulary, and a whole chunk of them would make one step long for every
-        other request in it."""
+        """Prompts being scored (prompt logprobs) share `max_scored_tokens` a step (SCORED_SHARE says why)."""
         return min(budget, self._scored_left) if _scoring_prompt(seq) else budget
 
     def _took(self, seq: Sequence, num_new: int) -> None:

@@ -142,8 +142,10 @@ class Ingress:
             async for delta in stream:
                 if delta.error:
                     raise OpenAIError(500, f"generation failed: {delta.error}")
-                choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs,
-                                         delta.prompt_logprobs)
+                if delta.prompt_logprobs is not None:
+                    for choice in choices:
+                        choice.prefix_logprobs = delta.prompt_logprobs
+                choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs)
                 cached_tokens = delta.cached_tokens if delta.index == 0 else cached_tokens
             return admitted, cached_tokens
         except BaseException:
@@ -167,8 +169,10 @@ class Ingress:
                 if delta.error:
                     raise GenerationError(delta.error)
                 tokens[delta.index], cached_tokens = delta.completion_tokens, delta.cached_tokens
-                for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs,
-                                                          delta.prompt_logprobs):
+                if delta.prompt_logprobs is not None:
+                    for choice in choices:
+                        choice.score_prompt(delta.prompt_logprobs)
+                for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs):
                     yield sse(chunk_body(request_id, model, [choice], chat, created))
             if include_usage:
                 final = chunk_body(request_id, model, [], chat, created)

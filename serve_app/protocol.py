@@ -52,4 +52,4 @@ class Delta:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: on a choice's first delta
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: every choice's, on the request's first delta

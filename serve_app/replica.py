@@ -104,6 +104,7 @@ class EngineReplica:
             sent_tokens: list[int | None] = [None] * len(streams)  # None: nothing sent yet
             held_text: list[str] = [""] * len(streams)  # text of outputs not sent yet; the latest output has the rest
             prompt_scores: list[TokenLogprob] | None = None  # the first choice's, formatted once for every choice
+            scores_sent = False
             async for index, outputs in _each_choice(streams):
                 last = outputs[-1]
                 held_text[index] += "".join(o.delta_text for o in outputs)
@@ -114,8 +115,8 @@ class EngineReplica:
                 if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], job.stream_interval):
                     continue  # a later choice waits for the first one's prompt scores (they come first in practice)
                 delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
-                if sent_tokens[index] is None and job.params.prompt_logprobs is not None:
-                    delta.prompt_logprobs = prompt_scores
+                if prompt_scores is not None and not scores_sent:  # once for all n: each copy cost the ingress 40 ms
+                    delta.prompt_logprobs, scores_sent = prompt_scores, True
                 if all(sent is None for sent in sent_tokens):  # the request's first chunk
                     self.signals.first_token(time.monotonic() - started)
                 sent_tokens[index], held_text[index] = len(last.token_ids), ""

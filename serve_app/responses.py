@@ -55,14 +55,12 @@ class Choice:
     prefix: str = ""  # completions' echo
     prefix_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's
 
-    def add(self, text: str, completion_tokens: int, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-            prompt_logprobs: list[TokenLogprob] | None = None) -> None:
+    def add(self, text: str, completion_tokens: int, finish_reason: str | None,
+            logprobs: list[TokenLogprob] | None) -> None:
         self.text += text
         self.completion_tokens, self.finish_reason = completion_tokens, finish_reason
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
-        if prompt_logprobs is not None:
-            self.prefix_logprobs = prompt_logprobs
 
     def to_json(self) -> dict:
         if not self.chat:
@@ -104,11 +102,15 @@ class StreamedChoice:
     text_offset: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-               prompt_logprobs: list[TokenLogprob] | None = None) -> list[dict]:
+    def score_prompt(self, entries: list[TokenLogprob]) -> None:
+        """Echo with logprobs: the prompt's scores lead this choice's first chunk."""
+        if not self.started:
+            self.pending_logprobs = entries + self.pending_logprobs
+
+    def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> list[dict]:
         """The chunk choices this delta makes (none while held back, unless it starts or ends the choice)."""
         self.text += text
-        self.pending_logprobs += (prompt_logprobs or []) + (logprobs or [])
+        self.pending_logprobs += logprobs or []
         visible = tool_calls.safe_content_length(self.text) if self.parse_tool_calls else len(self.text)
         if finish_reason is not None:
             return self._final(finish_reason)

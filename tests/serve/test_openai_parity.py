@@ -171,6 +171,13 @@ def test_echo_with_logprobs_and_n_scores_the_prompt_once_for_every_choice(client
     full_blocks = (prompt_len - 1) // 16 * 16
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * full_blocks, "choices 2 and 3 hit choice 1's"
     assert after["prompt_tokens"] - before["prompt_tokens"] < 2 * prompt_len, "the prompt was computed about once"
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=3, n=3,
+                                         echo=True, logprobs=1, stream=True, extra_body={"ignore_eos": True})
+    tokens = {0: [], 1: [], 2: []}  # the scores cross to the ingress once and lead every choice's stream
+    for chunk in streamed:
+        for c in chunk.choices:
+            tokens[c.index] += c.logprobs.tokens if c.logprobs else []
+    assert [tokens[c.index] for c in r.choices] == [c.logprobs.tokens for c in r.choices]
 
 
 def test_n_choices_share_the_prompt_blocks_and_seeds_repeat(client, replica_handle):

@@ -74,6 +74,27 @@ def test_uncached_blocks_are_reused_before_cached_ones():
     bm.free(b)
 
 
+def test_a_block_computed_twice_stays_findable_when_one_copy_is_evicted():
+    """A prompt scored for its logprobs skips the cache, so it computes blocks that are cached already. When the old
+    copies were later reused, the prefix used to vanish although the scorer still held the same blocks: its n - 1
+    siblings then recomputed 300 tokens each, and another client's stream waited 2.7 s."""
+    bm = BlockManager(8, BS)
+    old = seq(range(9), "old")
+    admit(bm, old)
+    old_copies = old.block_table[:2]  # its full blocks, the cached ones
+    bm.free(old)
+    scorer = seq(range(9), "scorer")
+    bm.allocate(scorer, [], len(scorer))  # no prefix match, as the scheduler does for prompt logprobs
+    bm.mark_computed(scorer, len(scorer))
+    hog = seq(range(100, 120), "hog")  # the 5 free blocks, the old copies among them
+    admit(bm, hog)
+    assert set(old_copies) <= set(hog.block_table)
+    assert bm.match_prefix(list(range(9))) == scorer.block_table[:2]
+    for s in (scorer, hog):
+        bm.free(s)
+    assert bm.num_free_blocks == 8
+
+
 def test_a_hash_collision_is_verified_not_trusted(monkeypatch):
     import engine.block_manager as module
 

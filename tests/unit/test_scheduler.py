@@ -4,7 +4,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
+from engine.block_manager import NO_HASH, BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -85,8 +85,9 @@ class FakeEngine:
         for block in bm.blocks:
             assert block.ref_count == owners.get(block.block_id, 0), block
             assert (block.ref_count == 0) == (block.block_id in bm.free_blocks), block
-        for h, block_id in bm.hash_to_block.items():
-            assert bm.blocks[block_id].hash == h
+        for h, copies in bm.hash_to_blocks.items():
+            assert copies and all(bm.blocks[block_id].hash == h for block_id in copies)
+        assert sum(map(len, bm.hash_to_blocks.values())) == sum(block.hash != NO_HASH for block in bm.blocks)
 
     def drain(self, max_steps=5000):
         for _ in range(max_steps):
@@ -193,25 +194,36 @@ def test_decode_and_prefill_chunks_share_a_step():
 
 
 def test_a_prompt_being_scored_goes_in_small_chunks_beside_a_plain_one():
-    from engine.scheduler import SCORED_CHUNK
-
     engine = FakeEngine(num_blocks=512, block_size=16, max_num_seqs=4, max_tokens_per_step=2048)
+    SCORED_CHUNK = engine.scheduler.max_scored_tokens
+    assert SCORED_CHUNK == 2048 // 8
     scored = Sequence("scored", list(range(1000)), SamplingParams(max_tokens=1, prompt_logprobs=0))
     engine.scheduler.add(scored)
     plain = engine.add("plain", list(range(5000, 6000)), 1)
     batch = engine.step()
     assert dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens)) == {"scored": SCORED_CHUNK, "plain": 1000}
-    batches = [engine.step() for _ in range(3)]
-    assert [dict(zip([s.request_id for s in b.seqs], b.num_new_tokens)).get("scored") for b in batches] == [
-        SCORED_CHUNK, SCORED_CHUNK, 1000 - 3 * SCORED_CHUNK]
+    chunks = [SCORED_CHUNK]
+    while not scored.is_finished:  # it asked for one token: it ends with its prompt
+        batch = engine.step()
+        chunks.append(dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens))["scored"])
+    assert chunks == [SCORED_CHUNK] * (1000 // SCORED_CHUNK) + [1000 % SCORED_CHUNK]
     engine.drain()
     assert scored.is_finished and plain.is_finished
-    two = [Sequence(f"scored-{i}", list(range(100 * i, 100 * i + 300)), SamplingParams(max_tokens=2, prompt_logprobs=0))
+
+
+def test_prompts_being_scored_share_one_chunk_a_step():
+    engine = FakeEngine(num_blocks=512, block_size=16, max_num_seqs=4, max_tokens_per_step=2048)
+    SCORED_CHUNK = engine.scheduler.max_scored_tokens
+    assert SCORED_CHUNK == 2048 // 8
+    length = 2 * SCORED_CHUNK + SCORED_CHUNK // 3
+    two = [Sequence(f"scored-{i}", list(range(1000 * i, 1000 * i + length)), SamplingParams(max_tokens=2, prompt_logprobs=0))
            for i in (1, 2)]
     for seq in two:
         engine.scheduler.add(seq)
-    first, second = engine.step(), engine.step()
-    assert first.num_new_tokens == [SCORED_CHUNK] and second.num_new_tokens == [300 - SCORED_CHUNK, SCORED_CHUNK - 44]
+    steps = [engine.step().num_new_tokens for _ in range(4)]
+    third = SCORED_CHUNK // 3
+    # the second starts in the first's last prompt step, and takes a whole share once the first decodes
+    assert steps == [[SCORED_CHUNK], [SCORED_CHUNK], [third, SCORED_CHUNK - third], [1, SCORED_CHUNK]]
     engine.drain()
     assert all(seq.is_finished for seq in two)
 
