@@ -1,13 +1,19 @@
-"""A continuous-batching LLM engine with a paged KV cache. Pure PyTorch + transformers; never imports Ray."""
-from engine.async_engine import AsyncLLMEngine
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.sequence import RequestOutput
+"""A continuous-batching LLM engine with a paged KV cache. Pure PyTorch + transformers; never imports Ray.
 
-__all__ = [
-    "AsyncLLMEngine", "DEFAULT_MODEL", "EngineConfig", "EngineDeadError", "EngineInputError", "EngineOverloadedError",
-    "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutput",
-]
+Names load on first use (PEP 562), so a process that needs only the torch-free parts (the Serve ingress: sampling
+parameters, errors, tool-call parsing) never imports torch."""
+from importlib import import_module
+
+_HOMES = {
+    "AsyncLLMEngine": "engine.async_engine", "DEFAULT_MODEL": "engine.config", "EngineConfig": "engine.config",
+    "EngineDeadError": "engine.errors", "EngineInputError": "engine.errors", "EngineOverloadedError": "engine.errors",
+    "LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "RequestOutput": "engine.sequence",
+    "SamplingParams": "engine.sampling_params", "StructuredOutput": "engine.sampling_params",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(import_module(_HOMES[name]), name)

@@ -134,6 +134,11 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative integers", "stop_token_ids")
 
 
+# json.dumps's separators: what models write unprompted. Fixed whitespace also keeps a small model from looping on
+# newlines inside an object, which flexible whitespace allows. Grammars and forced tool calls both write JSON so.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Constrain the output: to a JSON schema, to any JSON object, or to a Lark grammar (llguidance's dialect, which

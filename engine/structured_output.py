@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import EngineInputError
 from engine.sampler import GrammarMask
-from engine.sampling_params import StructuredOutput
+from engine.sampling_params import JSON_OPTIONS, StructuredOutput
 
 # Bounds on what one grammar may cost (llguidance's defaults allow 14 ms of lexer work per token and row): a client's
 # schema taxes every step its request is in, so each mask step gets about 3 ms at most. verbose_errors off: error
@@ -22,9 +22,6 @@ from engine.sampling_params import StructuredOutput
 LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=50_000, step_max_items=20_000, max_grammar_size=100_000,
               verbose_errors=False)
 
-# json.dumps's separators: what models write unprompted. Fixed whitespace also keeps a small model from looping on
-# newlines inside an object, which flexible whitespace allows.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = {"type": "object"}
 BITS = torch.arange(32, dtype=torch.int32)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.structured_output import JSON_OPTIONS
+from engine.sampling_params import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ANY_OBJECT = {"type": "object"}
