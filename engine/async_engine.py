@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
+from engine.core_protocol import EngineCore
 from engine.errors import EngineDeadError
 from engine.input_processor import Prompt
 from engine.metrics import StepMetrics
@@ -73,6 +74,7 @@ class AsyncLLMEngine:
         self.config = config = config.model_copy(update=overrides) if overrides else config
         self._streams: dict[str, RequestStream] = {}
         self.dead_reason: str | None = None
+        self.core: EngineCore
         if config.engine_process:
             from engine.core_client import ProcessCore
 

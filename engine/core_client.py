@@ -1,5 +1,5 @@
 """ProcessCore: the front end's handle on an engine core running in a child process (engine/core_process.py).
-The same interface as ThreadCore: validated requests go in, RequestOutputs come out through `deliver`.
+An EngineCore (core_protocol.py), as ThreadCore is: validated requests go in, RequestOutputs come out through `deliver`.
 
 One ZMQ PUSH/PULL pair over ipc carries msgpack messages: requests and aborts as they come, one CoreOutputs per
 step back. A receiver thread turns the core's deltas into the RequestOutputs the in-process engine gives, so
@@ -15,12 +15,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.core_protocol import Deliver, OnDeath
 from engine.core_messages import (CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest,
                                   FromCore)
 from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
@@ -34,7 +35,6 @@ from engine.sequence import RequestOutput
 log = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver looks at the child while no message comes
 START_TIMEOUT_S = 900  # a first start converts the embedded GGUF and builds the kernels
-Deliver = Callable[[list[RequestOutput]], None]
 
 
 @dataclass
@@ -70,7 +70,7 @@ def core_environment(env) -> dict[str, str]:
 
 
 class ProcessCore:
-    def __init__(self, config: EngineConfig, deliver: Deliver, on_death: Callable[[str], None]):
+    def __init__(self, config: EngineConfig, deliver: Deliver, on_death: OnDeath):
         self.config = config
         self._deliver, self._on_death = deliver, on_death
         self._dir = tempfile.mkdtemp(prefix="engine-core-")

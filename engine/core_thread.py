@@ -1,26 +1,25 @@
 """The engine core on a background thread of the calling process: the in-process mode (tests, benchmarks, one
-process for everything). The same interface as ProcessCore."""
+process for everything). An EngineCore (core_protocol.py), as ProcessCore is."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core_messages import EngineRequest
+from engine.core_protocol import Deliver, OnDeath
 from engine.llm_engine import LLMEngine
 from engine.metrics import StepMetrics
-from engine.sequence import RequestOutput
 from engine.step_recovery import step_problem
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
-Deliver = Callable[[list[RequestOutput]], None]
 
 
 class ThreadCore:
-    def __init__(self, config: EngineConfig, deliver: Deliver, on_death: Callable[[str], None]):
+    def __init__(self, config: EngineConfig, deliver: Deliver, on_death: OnDeath):
         self.engine = LLMEngine(config)
         self.config = config
         self.inputs = self.engine.inputs

@@ -1,3 +1,4 @@
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing local model fails fast instead of hanging on the hub
@@ -41,6 +42,7 @@ def _track_engines():
     originals = {cls: cls.__init__ for cls in (LLMEngine, ProcessCore)}  # a core process is checked through its stats
 
     def tracking(original):
+        @functools.wraps(original)
         def tracking_init(self, *args, **kwargs):
             original(self, *args, **kwargs)
             LIVE_ENGINES.add(self)

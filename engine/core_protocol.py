@@ -1,0 +1,44 @@
+"""What the front end asks of an engine core, wherever the core runs. ThreadCore (a thread of this process) and
+ProcessCore (a child process over ZMQ) both implement it; AsyncLLMEngine holds one and never asks which."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.core_messages import EngineRequest, ModelLimits
+    from engine.input_processor import InputProcessor
+    from engine.metrics import StepMetrics
+    from engine.sequence import RequestOutput
+
+Deliver = Callable[["list[RequestOutput]"], None]  # a step's outputs, called from the core's own thread
+OnDeath = Callable[[str], None]  # the reason the core stopped for good
+
+
+class EngineCore(Protocol):
+    """Built with (config, deliver, on_death); ready to take requests once `start` returns."""
+
+    config: EngineConfig
+    inputs: InputProcessor  # tokenizing and validation, on callers' threads
+    limits: ModelLimits
+    settings: dict[str, Any]  # what the running engine actually uses
+
+    def warm_up(self) -> None: ...
+
+    def start(self) -> None: ...
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a validated request; raises EngineOverloadedError when the waiting queue is full."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    def attach_metrics(self, metrics: StepMetrics) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def health_problem(self) -> str | None:
+        """Why this core should be replaced, or None (step_recovery.step_problem decides for both)."""
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...
