@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-check gpu-wheels setup model serve stop test test-fast bench bench-peers bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: gpu-check gpu-wheels setup model serve stop test test-fast bench bench-peers bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -90,6 +90,10 @@ eval: model
 
 bench-peers: model $(PEERS)/.installed
 	$(PY) benchmarks/bench.py --vllm-python $(PEERS)/bin/python $(ARGS)
+
+# serving CPU per 1,000 output tokens by process, at 1-128 clients, streamed and not, this app against vLLM's server
+bench-serving: model $(PEERS)/.installed
+	$(PY) benchmarks/serving_cost.py --vllm-python $(PEERS)/bin/python $(ARGS)
 
 # Prometheus from Debian (Grafana is not installable here: the dashboards ship as provisioned JSON)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
