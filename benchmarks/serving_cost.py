@@ -1,7 +1,7 @@
 """Serving CPU per output token (issue 45): what each serving process spends per 1,000 output tokens at 1, 16, 64 and
 128 concurrent clients, streamed and not, for this app (Ray Serve's proxy, the ingress, the replica's front end) and
 for vLLM's OpenAI server (its API process), in one run. Each engine core is reported beside them, not in the serving
-sum: it also runs the model. One server at a time; the client is this process, never counted.
+sum: it also runs the model (vLLM's core is its EngineCore and Worker processes). One server at a time; the client is this process, never counted.
 
 make bench-serving                         # both systems; ARGS="--seconds 20 --levels 1,16" for a short run
 python benchmarks/serving_cost.py --only engine
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -47,9 +48,9 @@ class Level:
     streamed: bool
     clients: int
     seconds: float
-    requests: int = 0
+    requests: int = 0  # that ran in the window, wholly or in part
     failed: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # made in the window, prorated per request
     cpu_s: dict[str, float] = field(default_factory=dict)  # per role, over the window
 
     @property
@@ -73,7 +74,7 @@ def role_of(proc: psutil.Process, api_pid: int | None) -> str:
     if proc.pid == api_pid:
         return "api server"
     for marker, role in (("ProxyActor", "proxy"), ("Ingress", "ingress"), ("EngineReplica", "replica"),
-                         ("engine.core_process", "core"), ("EngineCore", "core")):
+                         ("engine.core_process", "core"), ("VLLM::EngineCore", "core"), ("VLLM::Worker", "core")):
         if marker in text:
             return role
     return "other"
@@ -107,20 +108,26 @@ def cpu_by_role(procs: list[psutil.Process], api_pid: int | None) -> dict[str, f
 
 
 async def client_loop(client: httpx.AsyncClient, url: str, streamed: bool, max_tokens: int, stop_at: float,
-                      window_start: float, level: Level) -> None:
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-            "temperature": 1.0, "ignore_eos": True, "stream": streamed}
-    if streamed:
-        body["stream_options"] = {"include_usage": True}
+                      window_start: float, level: Level, rng: random.Random) -> None:
+    """Requests back to back until the window ends. A request's tokens count in the share of its life that fell in
+    the window (decode makes them at an even pace), so requests that finish together, as closed-loop clients that
+    start together do, cannot make the count jump by a whole wave; their lengths vary for the same reason."""
     while time.monotonic() < stop_at:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "temperature": 1.0,
+                "max_tokens": rng.randint(max_tokens // 2, max_tokens * 3 // 2), "ignore_eos": True, "stream": streamed}
+        if streamed:
+            body["stream_options"] = {"include_usage": True}
+        started = time.monotonic()
         try:
             tokens = await (_streamed(client, url, body) if streamed else _whole(client, url, body))
         except (httpx.HTTPError, ValueError, KeyError):
             level.failed += 1
             continue
-        if window_start <= time.monotonic() <= stop_at:
+        ended = time.monotonic()
+        overlap = min(ended, stop_at) - max(started, window_start)
+        if overlap > 0:
             level.requests += 1
-            level.output_tokens += tokens
+            level.output_tokens += round(tokens * overlap / max(ended - started, 1e-9))
 
 
 async def _whole(client: httpx.AsyncClient, url: str, body: dict) -> int:
@@ -147,14 +154,15 @@ async def measure(system: str, url: str, api_pid: int | None, streamed: bool, cl
     window_start, stop_at = started + warmup, started + warmup + seconds
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        tasks = [asyncio.create_task(client_loop(client, url, streamed, max_tokens, stop_at, window_start, level))
+        rng = random.Random(clients)
+        tasks = [asyncio.create_task(client_loop(client, url, streamed, max_tokens, stop_at, window_start, level, rng))
                  for _ in range(clients)]
         await asyncio.sleep(max(0.0, window_start - time.monotonic()))
         procs = server_processes(api_pid)
         before = cpu_by_role(procs, api_pid)
         await asyncio.sleep(max(0.0, stop_at - time.monotonic()))
         after = cpu_by_role(procs, api_pid)
-        await asyncio.gather(*tasks)  # requests still running finish outside the window and are not counted
+        await asyncio.gather(*tasks)  # requests still running finish; their share in the window counts
     level.cpu_s = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
     return level
 
@@ -178,7 +186,7 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
          modes: str = typer.Option("stream,whole", help="stream, whole or both"),
          seconds: float = typer.Option(40, help="measured window per level"),
          warmup: float = typer.Option(10, help="load before the window, per level"),
-         max_tokens: int = 128,
+         max_tokens: int = typer.Option(128, help="mean output length; each request draws from half to 1.5 times it"),
          only: str = typer.Option("", help="engine or vllm; both by default"),
          vllm_python: Path = Path(".venv-peers/bin/python"),
          out_dir: Path = Path("benchmarks/results")):
@@ -189,20 +197,21 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
         with embedded_app() as url:
             results += run_system("engine (Ray Serve)", url, None, counts, stream_modes, warmup, seconds, max_tokens)
     if only in ("", "vllm"):
-        results += run_vllm(vllm_python, counts, stream_modes, warmup, seconds, max_tokens, out_dir)
+        results += run_vllm(vllm_python, counts, stream_modes, warmup, seconds, max_tokens)
     report(results, out_dir)
 
 
-def run_vllm(vllm_python: Path, counts: list[int], modes: list[bool], warmup: float, seconds: float, max_tokens: int,
-             out_dir: Path) -> list[Level]:
+def run_vllm(vllm_python: Path, counts: list[int], modes: list[bool], warmup: float, seconds: float,
+             max_tokens: int) -> list[Level]:
     import torch
 
     from engine.models.loader import resolve_dtype
 
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # as serve_app/config.yaml's auto
     spec = servers(vllm_python, dtype)["vLLM CPU"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "serving-cost-vllm.log", "w") as log:
+    log_path = ROOT / "loadtest/reports/serving-cost-vllm.log"  # ignored by git, beside the load test's reports
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(spec["start"], cwd=ROOT, env=spec["env"], stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(spec["url"], 900, proc, "vLLM's OpenAI server")
