@@ -4,7 +4,7 @@ for vLLM's OpenAI server (its API process), in one run. Each engine core is repo
 sum: it also runs the model (vLLM's core is its EngineCore and Worker processes). One server at a time; the client is this process, never counted.
 
 make bench-serving                         # both systems; ARGS="--seconds 20 --levels 1,16" for a short run
-python benchmarks/serving_cost.py --only engine
+python benchmarks/serving_cost.py --only engine --proxies python,haproxy   # Serve's proxy against HAProxy mode
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def role_of(proc: psutil.Process, api_pid: int | None) -> str:
         return "other"
     if proc.pid == api_pid:
         return "api server"
-    for marker, role in (("ProxyActor", "proxy"), ("Ingress", "ingress"), ("EngineReplica", "replica"),
+    for marker, role in (("ProxyActor", "proxy"), ("haproxy", "proxy"), ("Ingress", "ingress"), ("EngineReplica", "replica"),
                          ("engine.core_process", "core"), ("VLLM::EngineCore", "core"), ("VLLM::Worker", "core")):
         if marker in text:
             return role
@@ -89,8 +89,8 @@ def server_processes(api_pid: int | None) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         words = " ".join(proc.info["cmdline"] or [])
-        if proc.pid != me and ("ray::" in words or "ray/" in words or "engine.core_process" in words or "raylet" in words
-                               or "gcs_server" in words):
+        if proc.pid != me and any(marker in words for marker in ("ray::", "ray/", "engine.core_process", "raylet",
+                                                                 "gcs_server", "haproxy")):
             found.append(proc)
     return found
 
@@ -188,14 +188,18 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
          warmup: float = typer.Option(10, help="load before the window, per level"),
          max_tokens: int = typer.Option(128, help="mean output length; each request draws from half to 1.5 times it"),
          only: str = typer.Option("", help="engine or vllm; both by default"),
+         proxies: str = typer.Option("python", help="this app's front: python (Serve's proxy), haproxy (Serve's "
+                                     "high-throughput mode), or both in one run: python,haproxy"),
          vllm_python: Path = Path(".venv-peers/bin/python"),
          out_dir: Path = Path("benchmarks/results")):
     counts = [int(x) for x in levels.split(",")]
     stream_modes = [m.strip() == "stream" for m in modes.split(",")]
     results: list[Level] = []
     if only in ("", "engine"):
-        with embedded_app() as url:
-            results += run_system("engine (Ray Serve)", url, None, counts, stream_modes, warmup, seconds, max_tokens)
+        for proxy in proxies.split(","):
+            with embedded_app(throughput=proxy.strip() == "haproxy") as url:
+                label = "engine (Ray Serve, HAProxy)" if proxy.strip() == "haproxy" else "engine (Ray Serve)"
+                results += run_system(label, url, None, counts, stream_modes, warmup, seconds, max_tokens)
     if only in ("", "vllm"):
         results += run_vllm(vllm_python, counts, stream_modes, warmup, seconds, max_tokens)
     report(results, out_dir)
