@@ -13,7 +13,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -29,9 +28,8 @@ from rich.table import Table
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import cpu_flags  # noqa: E402  (the sibling script)
-from sweep_servers import MODEL_NAME, servers  # noqa: E402
+from bench import cpu_flags  # noqa: E402  (the sibling scripts)
+from sweep_servers import MODEL_NAME, servers, vllm_dtype  # noqa: E402
 from loadtest.run import embedded_app, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,12 +205,7 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
 
 def run_vllm(vllm_python: Path, counts: list[int], modes: list[bool], warmup: float, seconds: float,
              max_tokens: int) -> list[Level]:
-    import torch
-
-    from engine.models.loader import resolve_dtype
-
-    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # as serve_app/config.yaml's auto
-    spec = servers(vllm_python, dtype)["vLLM CPU"]
+    spec = servers(vllm_python, vllm_dtype())["vLLM CPU"]  # auto, as serve_app/config.yaml's dtype
     log_path = ROOT / "loadtest/reports/serving-cost-vllm.log"  # ignored by git, beside the load test's reports
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:

@@ -33,6 +33,11 @@ cli = typer.Typer(add_completion=False)
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def vllm_dtype(dtype: str = "auto") -> str:
+    """vLLM's --dtype: `auto` resolved as the engine resolves it (bf16 only where the CPU computes it natively)."""
+    return str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
+
+
 def servers(peers_python: Path, dtype: str) -> dict[str, dict]:
     ckpt = str(embedded_checkpoint())
     # vLLM gets the heap on huge pages that the engine's core has (engine/core_client.py), as in make bench-peers
@@ -64,7 +69,7 @@ def main(rates: str = "1,2,3,4,6,8,10,12", duration: int = 90, warmup: int = 20,
          peers_python: Path = Path(".venv-peers/bin/python"), only: str = typer.Option("", help="comma list of labels"),
          out_dir: Path = Path("loadtest/reports/sweep"),
          dtype: str = typer.Option("auto", help="vLLM's dtype; auto resolves as the engine's does (bf16 only where the CPU has it)")):
-    dtype = str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
+    dtype = vllm_dtype(dtype)
     console.print(f"vLLM CPU runs in {dtype}: serve_app/config.yaml's dtype must resolve to the same")
     results = {}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 autoscaled front of the app starts fast and small on nodes without a GPU."""
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -10,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 def serve_replica_processes(deployment: str) -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["cmdline"])
-            if any(f"ServeReplica:" in part and deployment in part for part in p.info["cmdline"] or [])]
+            if any("ServeReplica:" in part and deployment in part for part in p.info["cmdline"] or [])]
 
 
 def loads_torch(process: psutil.Process) -> bool:
@@ -18,8 +19,6 @@ def loads_torch(process: psutil.Process) -> bool:
 
 
 def test_the_ingress_never_loads_torch_and_the_engine_replica_does(serve_app, base_url, auth):
-    import httpx
-
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
     for extra in ({"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
         r = httpx.post(base_url + "/v1/chat/completions", headers=auth, timeout=60, json={**chat, **extra})
