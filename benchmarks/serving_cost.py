@@ -5,6 +5,7 @@ sum: it also runs the model (vLLM's core is its EngineCore and Worker processes)
 
 make bench-serving                         # both systems; ARGS="--seconds 20 --levels 1,16" for a short run
 python benchmarks/serving_cost.py --only engine --proxies python,haproxy   # Serve's proxy against HAProxy mode
+python benchmarks/serving_cost.py --only engine --topologies split,colocated  # the engine's front end in the ingress
 """
 from __future__ import annotations
 
@@ -188,16 +189,20 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
          only: str = typer.Option("", help="engine or vllm; both by default"),
          proxies: str = typer.Option("python", help="this app's front: python (Serve's proxy), haproxy (Serve's "
                                      "high-throughput mode), or both in one run: python,haproxy"),
+         topologies: str = typer.Option("split", help="this app's topology (AppArgs.topology): split, colocated, or "
+                                        "both in one run: split,colocated"),
          vllm_python: Path = Path(".venv-peers/bin/python"),
          out_dir: Path = Path("benchmarks/results")):
     counts = [int(x) for x in levels.split(",")]
     stream_modes = [m.strip() == "stream" for m in modes.split(",")]
     results: list[Level] = []
     if only in ("", "engine"):
-        for proxy in proxies.split(","):
-            with embedded_app(throughput=proxy.strip() == "haproxy") as url:
-                label = "engine (Ray Serve, HAProxy)" if proxy.strip() == "haproxy" else "engine (Ray Serve)"
-                results += run_system(label, url, None, counts, stream_modes, warmup, seconds, max_tokens)
+        for topology in topologies.split(","):
+            for proxy in proxies.split(","):
+                haproxy = proxy.strip() == "haproxy"
+                with embedded_app(throughput=haproxy, args={"topology": topology.strip()}) as url:
+                    label = f"engine ({topology.strip()}{', HAProxy' if haproxy else ''})"
+                    results += run_system(label, url, None, counts, stream_modes, warmup, seconds, max_tokens)
     if only in ("", "vllm"):
         results += run_vllm(vllm_python, counts, stream_modes, warmup, seconds, max_tokens)
     report(results, out_dir)

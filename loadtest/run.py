@@ -12,12 +12,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
@@ -64,21 +66,29 @@ def load_records(path: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def embedded_app(port: int = 8000, throughput: bool = False):
+def embedded_app(port: int = 8000, throughput: bool = False, args: dict | None = None):
     """Ray on loopback with a fixed metrics port (as `make serve`), then the embedded app; torn down afterwards.
-    throughput: Ray Serve's high-throughput mode (serve_app/ray_env.py), on a Ray started here."""
+    throughput: Ray Serve's high-throughput mode (serve_app/ray_env.py), on a Ray started here. args: AppArgs
+    fields laid over serve_app/config.yaml's (a copy of it, in a temporary directory)."""
     started_ray = start_local_ray(throughput)  # as make serve
-    proc = subprocess.Popen([str(BIN / "serve"), "run", "--address", "auto", "serve_app/config.yaml"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ray_env()})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 600, proc, "the embedded app")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        if started_ray:
-            subprocess.run([str(BIN / "ray"), "stop"], capture_output=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        config = ROOT / "serve_app/config.yaml"
+        if args:
+            settings = yaml.safe_load(config.read_text())
+            settings["applications"][0]["args"].update(args)
+            config = Path(scratch) / "config.yaml"
+            config.write_text(yaml.safe_dump(settings))
+        proc = subprocess.Popen([str(BIN / "serve"), "run", "--address", "auto", str(config)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ray_env()})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, 600, proc, "the embedded app")
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            if started_ray:
+                subprocess.run([str(BIN / "ray"), "stop"], capture_output=True)
 
 
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, what: str = "the server") -> None:

@@ -7,6 +7,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
+from serve_app.colocated import ColocatedDeployment
 from serve_app.config import AppArgs
 from serve_app.ingress import IngressDeployment
 from serve_app.replica import EngineReplica
@@ -16,13 +17,29 @@ INGRESS_TARGET_ONGOING = 256
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
-    backpressure = BackpressureConfig(status_code=429, retry_after_s=args.retry_after_s)
-    replica = serve.deployment(EngineReplica).options(
-        name="EngineReplica",
+    if args.topology == "colocated":
+        return serve.deployment(ColocatedDeployment).options(name="EngineIngress", **replica_options(args)).bind(args)
+    replica = serve.deployment(EngineReplica).options(name="EngineReplica", **replica_options(args))
+    ingress = serve.deployment(IngressDeployment).options(
+        name="Ingress",
+        ray_actor_options={"num_cpus": 0, "resources": args.ingress_resources},  # 0 CPUs: the engine replica must fit beside it
+        max_ongoing_requests=4 * INGRESS_TARGET_ONGOING,
+        max_queued_requests=args.max_queued_requests,
+        backpressure_config=backpressure(args),
+        autoscaling_config={"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
+                            "target_ongoing_requests": INGRESS_TARGET_ONGOING},
+        graceful_shutdown_timeout_s=args.drain_timeout_s,
+    )
+    return ingress.bind(replica.bind(args), args)
+
+
+def replica_options(args: AppArgs) -> dict[str, Any]:
+    """An engine replica's deployment options, whether it serves HTTP itself (colocated) or not."""
+    return dict(
         ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
         max_ongoing_requests=args.replica_max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
-        backpressure_config=backpressure,
+        backpressure_config=backpressure(args),
         autoscaling_config={
             "min_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,
@@ -35,17 +52,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         graceful_shutdown_timeout_s=args.drain_timeout_s,
         health_check_period_s=5,
     )
-    ingress = serve.deployment(IngressDeployment).options(
-        name="Ingress",
-        ray_actor_options={"num_cpus": 0, "resources": args.ingress_resources},  # 0 CPUs: the engine replica must fit beside it
-        max_ongoing_requests=4 * INGRESS_TARGET_ONGOING,
-        max_queued_requests=args.max_queued_requests,
-        backpressure_config=backpressure,
-        autoscaling_config={"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
-                            "target_ongoing_requests": INGRESS_TARGET_ONGOING},
-        graceful_shutdown_timeout_s=args.drain_timeout_s,
-    )
-    return ingress.bind(replica.bind(args), args)
+
+
+def backpressure(args: AppArgs) -> BackpressureConfig:
+    return BackpressureConfig(status_code=429, retry_after_s=args.retry_after_s)
 
 
 def engine_signal_policy(args: AppArgs) -> dict[str, Any]:

@@ -35,6 +35,10 @@ class AppArgs(BaseModel):
         "requests: Serve's default, ongoing requests against target_ongoing_requests; engine: KV pool use, the "
         "waiting queue, preemptions and TTFT p90 against engine_signal_targets (serve_app/autoscaling.py)"))
     engine_signal_targets: EngineSignalTargets = Field(default_factory=EngineSignalTargets)
+    topology: Literal["split", "colocated"] = Field(default="split", description=(
+        "split: the ingress and the engine replicas are deployments of their own, the ingress scaling apart on "
+        "CPUs; colocated: each engine replica serves HTTP itself, one Ray hop less per request and per streamed "
+        "chunk (serve_app/colocated.py); the ingress_* fields then do not apply"))
     ingress_max_replicas: int = Field(default=2, ge=1)
     ingress_resources: dict[str, float] = Field(default_factory=dict,
                                                 description="custom Ray resources that pin the ingress, e.g. {head: 0.01}")

@@ -20,6 +20,7 @@ from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve_app.protocol import Admitted, GenerationJob, Refused
+from serve_app.replica_client import RemoteReplica, ReplicaClient
 from serve_app.responses import Choice, StreamedChoice, chunk_body, completion_body, sse, usage
 from serve_app.security import authorized, exposure_problem, needs_key
 
@@ -39,12 +40,16 @@ def _proxy_host() -> str | None:
         return None
 
 
+def refuse_exposure(args: AppArgs) -> None:
+    problem = exposure_problem(_proxy_host(), args.api_key, args.allow_unauthenticated)
+    if problem:
+        raise RuntimeError(problem)  # the deployment fails to start, and `serve run` shows why
+
+
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, args: AppArgs):
-        problem = exposure_problem(_proxy_host(), args.api_key, args.allow_unauthenticated)
-        if problem:
-            raise RuntimeError(problem)  # the deployment fails to start, and `serve run` shows why
-        self.engine = engine
+    def __init__(self, replica: DeploymentHandle | ReplicaClient, args: AppArgs):
+        refuse_exposure(args)
+        self.replica = RemoteReplica(replica) if isinstance(replica, DeploymentHandle) else replica
         self.args = args
         self._model_info: dict | None = None
 
@@ -54,7 +59,7 @@ class Ingress:
 
     async def health(self) -> dict:
         try:
-            stats = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
+            stats = await asyncio.wait_for(self.replica.stats(), HEALTH_TIMEOUT_S)
         except Exception as exc:
             raise OpenAIError(503, f"no ready engine replica ({type(exc).__name__})", retry_after_s=self.args.retry_after_s)
         if stats.get("health_problem"):
@@ -70,7 +75,7 @@ class Ingress:
 
     async def _info(self) -> dict:
         if self._model_info is None:
-            self._model_info = await self._call(self.engine.info.remote(), CONTROL_TIMEOUT_S)
+            self._model_info = await self._call(self.replica.info(), CONTROL_TIMEOUT_S)
         return self._model_info
 
     async def respond(self, body: SamplingFields, prompt, chat: bool, request: Request):
@@ -124,7 +129,7 @@ class Ingress:
 
     async def _admit(self, job: GenerationJob):
         """Start a generation: the stream and the replica's admission result (its first message)."""
-        stream = self.engine.options(stream=True).generate.remote(job)
+        stream = self.replica.generate(job)
         try:
             return stream, await asyncio.wait_for(anext(stream), self.args.request_timeout_s)
         except BaseException:

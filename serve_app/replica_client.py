@@ -1,0 +1,98 @@
+"""How the ingress reaches an engine replica: through a Serve handle (`topology: split`, the replica a deployment of
+its own) or in its own process (`topology: colocated`). Both give the ingress the same three calls."""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
+
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.protocol import GenerationJob
+
+if TYPE_CHECKING:
+    from serve_app.replica import EngineReplica
+
+
+class ReplicaStream(Protocol):
+    """A generation's messages (Admitted or Refused, then Deltas); `cancel()` aborts it in the engine."""
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    def __anext__(self) -> Any: ...
+
+    def cancel(self) -> None: ...
+
+
+class ReplicaClient(Protocol):
+    async def stats(self) -> dict: ...
+
+    async def info(self) -> dict: ...
+
+    def generate(self, job: GenerationJob) -> ReplicaStream: ...
+
+
+class RemoteReplica:
+    """Replicas of the EngineReplica deployment, picked by Serve's router; every message a Ray message."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self.handle = handle
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()
+
+    async def info(self) -> dict:
+        return await self.handle.info.remote()
+
+    def generate(self, job: GenerationJob) -> ReplicaStream:
+        return self.handle.options(stream=True).generate.remote(job)
+
+
+class LocalReplica:
+    """The engine replica in this process: its messages are Python objects handed over on this event loop."""
+
+    def __init__(self, replica: EngineReplica):
+        self.replica = replica
+        self._closing: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
+
+    async def stats(self) -> dict:
+        return self.replica.stats()
+
+    async def info(self) -> dict:
+        return self.replica.info()
+
+    def generate(self, job: GenerationJob) -> ReplicaStream:
+        return LocalStream(self.replica.generate(job), self._closing)
+
+
+class LocalStream:
+    """The replica's async generator with a handle stream's `cancel()`: closing it runs the replica's `finally`,
+    which aborts the engine's requests, as a cancelled Ray stream does in the replica's process. Each step runs as
+    a task, so a step still in flight when the consumer gives up (an SSE keep-alive went out meanwhile) is
+    cancelled too, not left to finish into a generator nobody closes."""
+
+    def __init__(self, generator, closing: set[asyncio.Task]):
+        self._generator = generator
+        self._step: asyncio.Future | None = None
+        self._closing = closing
+        self._cancelled = False
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    def __anext__(self) -> asyncio.Future:
+        self._step = asyncio.ensure_future(self._generator.__anext__())
+        return self._step
+
+    def cancel(self) -> None:
+        if self._cancelled:
+            return
+        self._cancelled = True
+        task = asyncio.get_running_loop().create_task(self._close(self._step))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self, step: asyncio.Future | None) -> None:
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.wait({step})  # its CancelledError is the consumer's business, not this task's
+        await self._generator.aclose()  # a no-op when the cancelled step already ended it

@@ -1,0 +1,72 @@
+"""`topology: colocated`: the ingress and the engine replica in one Serve replica (serve_app/colocated.py). The same
+fp32 engine settings as the session's split app, so greedy answers must match it token for token."""
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import whole_app
+
+pytestmark = pytest.mark.slow
+CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def colocated(serve_app):
+    from ray import serve
+
+    with whole_app(serve_app, "colocated", topology="colocated") as base:
+        yield base, serve.get_deployment_handle("EngineIngress", app_name="colocated")
+
+
+def idle_and_free(handle, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = handle.stats.remote().result(timeout_s=10)
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+def test_one_deployment_serves_what_the_split_app_serves(colocated, base_url, auth):
+    from ray import serve
+
+    base, handle = colocated
+    deployments = serve.status().applications["colocated"].deployments
+    assert set(deployments) == {"EngineIngress"}, deployments  # no second hop: no EngineReplica of its own
+    split = httpx.post(base_url + "/v1/chat/completions", json=CHAT, headers=auth, timeout=60)
+    together = httpx.post(base + "/v1/chat/completions", json=CHAT, headers=auth, timeout=60)
+    assert split.status_code == together.status_code == 200, together.text
+    assert together.json()["choices"][0]["message"] == split.json()["choices"][0]["message"]
+    assert together.json()["usage"] == split.json()["usage"]
+
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth, timeout=60) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert text == split.json()["choices"][0]["message"]["content"]
+    idle_and_free(handle)
+
+
+def test_every_route_but_health_needs_the_key(colocated, auth):
+    base, _ = colocated
+    assert httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 401
+    assert httpx.get(base + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(base + "/v1/models", headers=auth, timeout=30).json()["data"][0]["max_model_len"] > 0
+    assert httpx.get(base + "/health", timeout=30).json()["status"] == "ok"
+
+
+def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
+    """The stream is cancelled in this process, not by a Ray message: the engine must still abort it."""
+    base, handle = colocated
+    body = {**CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
+        for number, _ in enumerate(r.iter_lines()):
+            if number == 4:
+                running = handle.stats.remote().result(timeout_s=10)["num_running"]
+                break
+    assert running == 1
+    stats = idle_and_free(handle)
+    assert stats["generation_tokens"] < 200 + 2 * CHAT["max_tokens"], stats  # aborted, not run to its end
