@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -30,8 +29,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench import cpu_flags  # noqa: E402  (the sibling scripts)
-from sweep_servers import MODEL_NAME, servers, vllm_dtype  # noqa: E402
-from loadtest.run import embedded_app, wait_healthy  # noqa: E402
+from sweep_servers import MODEL_NAME, vllm_dtype, vllm_server  # noqa: E402
+from loadtest.run import embedded_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 console = Console()
@@ -210,18 +209,9 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
 
 def run_vllm(vllm_python: Path, counts: list[int], modes: list[bool], warmup: float, seconds: float,
              max_tokens: int) -> list[Level]:
-    spec = servers(vllm_python, vllm_dtype())["vLLM CPU"]  # auto, as serve_app/config.yaml's dtype
     log_path = ROOT / "loadtest/reports/serving-cost-vllm.log"  # ignored by git, beside the load test's reports
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(spec["start"], cwd=ROOT, env=spec["env"], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(spec["url"], 900, proc, "vLLM's OpenAI server")
-            return run_system("vLLM CPU (OpenAI server)", spec["url"], proc.pid, counts, modes, warmup, seconds,
-                              max_tokens)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    with vllm_server(vllm_python, vllm_dtype(), log_path) as (url, pid):  # auto, as serve_app/config.yaml's dtype
+        return run_system("vLLM CPU (OpenAI server)", url, pid, counts, modes, warmup, seconds, max_tokens)
 
 
 def report(results: list[Level], out_dir: Path) -> None:

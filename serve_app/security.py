@@ -3,10 +3,38 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
+import uuid
 
-from starlette.types import Scope
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serve_app.errors import OpenAIError
 
 PUBLIC_PATHS = frozenset({"/health"})
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class Guard:
+    """The bearer key on every route but /health, under any route prefix, and the request's id (the client's
+    X-Request-Id when it is sane; Serve's proxy echoes it on every response). Pure ASGI: Starlette's
+    BaseHTTPMiddleware passed every streamed chunk through a memory stream and a task of its own."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        incoming = headers.get("x-request-id", "")
+        scope.setdefault("state", {})["request_id"] = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
+        if self.api_key and needs_key(scope) and not authorized(headers.get("authorization", ""), self.api_key):
+            refusal = OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+            return await refusal.response()(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def route_path(scope: Scope) -> str:
