@@ -190,6 +190,8 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
                                      "high-throughput mode), or both in one run: python,haproxy"),
          topologies: str = typer.Option("split", help="this app's topology (AppArgs.topology): split, colocated, or "
                                         "both in one run: split,colocated"),
+         app_args: str = typer.Option("{}", help="JSON of AppArgs fields laid over serve_app/config.yaml's, e.g. "
+                                      "'{\"stream_interval\": 4, \"stream_chunks_per_step\": null}'"),
          vllm_python: Path = Path(".venv-peers/bin/python"),
          out_dir: Path = Path("benchmarks/results")):
     counts = [int(x) for x in levels.split(",")]
@@ -199,7 +201,7 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
         for topology in topologies.split(","):
             for proxy in proxies.split(","):
                 haproxy = proxy.strip() == "haproxy"
-                with embedded_app(throughput=haproxy, args={"topology": topology.strip()}) as url:
+                with embedded_app(throughput=haproxy, args={**json.loads(app_args), "topology": topology.strip()}) as url:
                     label = f"engine ({topology.strip()}{', HAProxy' if haproxy else ''})"
                     results += run_system(label, url, None, counts, stream_modes, warmup, seconds, max_tokens)
     if only in ("", "vllm"):

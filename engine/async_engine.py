@@ -144,6 +144,11 @@ class AsyncLLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose outputs this engine still delivers: running, waiting or just added. No core round trip."""
+        return len(self._streams)
+
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
 

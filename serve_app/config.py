@@ -52,7 +52,12 @@ class AppArgs(BaseModel):
     body_timeout_s: float = Field(default=30, gt=0, description="the whole request body must arrive within this")
     stream_interval: int = Field(default=1, ge=1, description=(
         "tokens per streamed chunk after the first, as vLLM's --stream-interval: fewer, fuller chunks cost the "
-        "serving processes less CPU under load; the first token and the end are never held back"))
+        "serving processes less CPU under load; the first token and the end are never held back. With "
+        "stream_chunks_per_step set, the most tokens per chunk"))
+    stream_chunks_per_step: int | None = Field(default=None, ge=1, description=(
+        "adapt the interval to load: a replica streaming to s clients sends chunks of ceil(s / this) tokens, up to "
+        "stream_interval, so about this many chunks leave it per engine step whatever the batch; one client gets "
+        "every token. None: always stream_interval"))
     report_cached_tokens: bool = Field(default=False, description=(
         "usage.prompt_tokens_details.cached_tokens on every response; False: only on requests with a cache_salt, "
         "since for unsalted ones it shows whether another client sent the same prefix (vLLM: "

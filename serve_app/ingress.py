@@ -82,7 +82,7 @@ class Ingress:
         if body.n > self.args.max_n:
             raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
         request_id = request.state.request_id
-        job = _job(request_id, body, prompt, self.args.stream_interval)
+        job = _job(request_id, body, prompt, self.args)
         parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
         created = int(time.time())
         if body.stream:
@@ -248,13 +248,14 @@ async def _with_keep_alive(stream, interval_s: float, deadline: float):
             pending.cancel()
 
 
-def _job(request_id: str, body: SamplingFields, prompt, stream_interval: int) -> GenerationJob:
+def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> GenerationJob:
     """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
     name the field."""
     tools = _offered_tools(body)
     try:
         return GenerationJob(request_id, prompt, _sampling_params(body, tools), body.n, body.cache_salt, tools,
-                             echo=getattr(body, "echo", False), stream_interval=stream_interval if body.stream else None)
+                             echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
+                             stream_chunks_per_step=args.stream_chunks_per_step)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 

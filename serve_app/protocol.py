@@ -17,6 +17,7 @@ class GenerationJob:
     tools: list[dict[str, Any]] | None = None  # offered to the model through the chat template
     echo: bool = False  # completions: the prompt's text comes back in Admitted
     stream_interval: int | None = 1  # tokens per Delta after a choice's first; None: one Delta per choice, at its end
+    stream_chunks_per_step: int | None = None  # set: stream_interval is the most, adapted to the replica's streams
 
 
 @dataclass

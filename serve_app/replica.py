@@ -112,7 +112,7 @@ class EngineReplica:
                     prompt_scores = await asyncio.get_running_loop().run_in_executor(
                         self._tokenizer_thread, self._prompt_logprobs, last, job.params.prompt_logprobs)
                 waits_for_scores = job.params.prompt_logprobs is not None and prompt_scores is None
-                if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], job.stream_interval):
+                if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], self._interval(job)):
                     continue  # a later choice waits for the first one's prompt scores (they come first in practice)
                 delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
                 if prompt_scores is not None and not scores_sent:  # once for all n: each copy cost the ingress 40 ms
@@ -124,6 +124,14 @@ class EngineReplica:
         finally:
             for stream in streams:
                 await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
+
+    def _interval(self, job: GenerationJob) -> int | None:
+        """Tokens per chunk for this job now: its stream_interval, or under `stream_chunks_per_step` fewer while few
+        streams share the replica (each chunk is a message, so the messages a step costs stay bounded)."""
+        per_step = job.stream_chunks_per_step
+        if job.stream_interval is None or per_step is None:
+            return job.stream_interval
+        return min(job.stream_interval, max(1, -(-self.engine.num_open_streams // per_step)))
 
     def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, top_logprobs: int | None) -> Delta:
         logprobs = None

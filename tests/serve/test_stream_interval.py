@@ -2,6 +2,7 @@
 one Delta, and a stream with `stream_interval: k` goes out as its first token alone, then chunks of at least k
 tokens. The text is the same whichever way it travels."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -60,3 +61,19 @@ def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_that_many(
     assert counts[0] == 1  # the first token never waits
     assert all(count >= 4 for count in counts[1:-1]), counts  # the end goes out whatever is left
     assert len(counts) <= 1 + -(-(MAX_TOKENS - 1) // 4) < len(every_token)
+
+
+def test_an_adaptive_interval_streams_every_token_alone_and_coalesces_when_streams_share_the_replica(
+        serve_app, replica_handle, auth):
+    """stream_chunks_per_step 1: chunks of one token per stream open on the replica, up to stream_interval 8."""
+    every_token, expected_text = chunk_tokens(serve_app["base_url"], auth)
+    with ingress_only_app(serve_app, replica_handle, "adaptive", stream_interval=8, stream_chunks_per_step=1) as base:
+        alone, text = chunk_tokens(base, auth)
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda _: chunk_tokens(base, auth), range(4)))
+    assert text == expected_text and all(t == expected_text for _, t in together)  # fp32: the batch changes nothing
+    assert len(alone) > MAX_TOKENS // 2, alone  # one stream: every token goes (a few coalesced if the reader lags)
+    assert all(sum(counts) == MAX_TOKENS and counts[0] == 1 for counts, _ in together), together
+    # four open streams: chunks of 4 tokens (8 a stream); a stream admitted a step late, or left last, may send a
+    # chunk or two at a smaller interval; every token alone would be about 4 x 23
+    assert sum(len(counts) for counts, _ in together) <= 4 * (2 + -(-(MAX_TOKENS - 1) // 3)), together
