@@ -29,9 +29,9 @@ class ColocatedIngress(Ingress):
         return self.engine_replica.stats()
 
     def __del__(self):
-        replica = getattr(self, "engine_replica", None)
+        replica = getattr(self, "engine_replica", None)  # absent when the exposure check refused the start
         if replica is not None:
-            replica.engine.shutdown(timeout=1.0)
+            replica.close_engine()
 
 
 ColocatedDeployment = serve.ingress()(ColocatedIngress)

@@ -164,10 +164,13 @@ class EngineReplica:
         if problem:
             raise RuntimeError(problem)
 
-    def __del__(self):
-        engine = getattr(self, "engine", None)
+    def close_engine(self) -> None:
+        engine = getattr(self, "engine", None)  # absent when __init__ failed before the engine was made
         if engine is not None:
             engine.shutdown(timeout=1.0)
+
+    def __del__(self):
+        self.close_engine()
 
 
 def _token_logprob(texts: TokenTexts, token: int, entry: dict[int, float], top: int) -> TokenLogprob:

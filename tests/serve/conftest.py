@@ -94,13 +94,16 @@ def replica_blocks_free_after_test(request):
     yield
     if "serve_app" not in request.fixturenames:
         return
-    handle = request.getfixturevalue("replica_handle")
-    deadline = time.monotonic() + 10
+    wait_idle(request.getfixturevalue("replica_handle"))
+
+
+def wait_idle(handle, timeout_s: float = 10) -> dict:
+    """The replica's stats once nothing runs or waits and every KV block is free; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while True:
         stats = handle.stats.remote().result(timeout_s=10)
-        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        if idle:
-            return
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+            return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
 

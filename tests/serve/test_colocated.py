@@ -1,12 +1,11 @@
 """`topology: colocated`: the ingress and the engine replica in one Serve replica (serve_app/colocated.py). The same
 fp32 engine settings as the session's split app, so greedy answers must match it token for token."""
 import json
-import time
 
 import httpx
 import pytest
 
-from tests.serve.conftest import whole_app
+from tests.serve.conftest import wait_idle, whole_app
 
 pytestmark = pytest.mark.slow
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0}
@@ -18,16 +17,6 @@ def colocated(serve_app):
 
     with whole_app(serve_app, "colocated", topology="colocated") as base:
         yield base, serve.get_deployment_handle("EngineIngress", app_name="colocated")
-
-
-def idle_and_free(handle, timeout_s: float = 10) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = handle.stats.remote().result(timeout_s=10)
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
 
 
 def test_one_deployment_serves_what_the_split_app_serves(colocated, base_url, auth):
@@ -47,7 +36,7 @@ def test_one_deployment_serves_what_the_split_app_serves(colocated, base_url, au
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert text == split.json()["choices"][0]["message"]["content"]
-    idle_and_free(handle)
+    wait_idle(handle)
 
 
 def test_every_route_but_health_needs_the_key(colocated, auth):
@@ -68,5 +57,5 @@ def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
                 running = handle.stats.remote().result(timeout_s=10)["num_running"]
                 break
     assert running == 1
-    stats = idle_and_free(handle)
+    stats = wait_idle(handle)
     assert stats["generation_tokens"] < 200 + 2 * CHAT["max_tokens"], stats  # aborted, not run to its end
