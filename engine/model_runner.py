@@ -103,6 +103,8 @@ class ModelRunner:
         """Run one step: the logits of every sequence that samples now (its last real token and its drafts), and of
         the prompt positions computed now for sequences that asked for prompt logprobs."""
         with self.phases("prepare"):
+            if batch.block_copies:
+                self._copy_blocks(batch.block_copies)
             inputs = self._prepare(batch)
         with self.phases("forward"):
             return self._forward(*inputs)
@@ -147,6 +149,11 @@ class ModelRunner:
         return (graphs is not None and decode is not None and meta.prefill_batch is None and not meta.prefills
                 and logits_indices.shape[0] == decode.size <= graphs.max_batch
                 and decode.block_tables.shape[1] <= graphs.block_tables.shape[1])
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Every layer's K and V of each source block into its target block."""
+        sources, targets = (self._tensor(list(ids)) for ids in zip(*copies))
+        self.kv_cache.index_copy_(3, targets, self.kv_cache.index_select(3, sources))
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

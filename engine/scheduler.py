@@ -26,6 +26,7 @@ class ScheduledBatch:
     draft_token_ids: list[list[int]] = field(default_factory=list)  # per sequence, fed after its last real token
     preempted: list[Sequence] = field(default_factory=list)
     out_of_memory: list[Sequence] = field(default_factory=list)  # finished: the pool cannot hold them at all
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) KV blocks, before the step
 
     @property
     def num_tokens(self) -> int:
@@ -40,7 +41,7 @@ class ScheduledBatch:
         self.draft_token_ids.append(drafts or [])
 
     def subset(self, indices: list[int]) -> "ScheduledBatch":
-        part = ScheduledBatch()
+        part = ScheduledBatch(block_copies=self.block_copies)  # copying again is harmless
         for i in indices:
             part.add(self.seqs[i], self.num_new_tokens[i], self.draft_token_ids[i])
         return part
@@ -138,6 +139,9 @@ class Scheduler:
             matched = [] if seq.params.prompt_logprobs is not None else self.block_manager.match_prefix(
                 seq.token_ids, seq.cache_salt)
             num_cached = len(matched) * self.block_manager.block_size
+            tail = self._leaders_tail_block(seq, len(matched))
+            if tail is not None:
+                num_cached = len(seq) - 1
             num_new = min(len(seq) - num_cached, self._chunk_budget(seq, budget))
             if num_new <= 0:
                 return
@@ -149,6 +153,9 @@ class Scheduler:
                     return
             self.waiting.popleft()
             self.block_manager.allocate(seq, matched, num_cached + num_new)
+            if tail is not None:
+                batch.block_copies.append((tail, seq.block_table[len(matched)]))
+                self.block_manager.mark_computed(seq, num_cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
@@ -161,6 +168,22 @@ class Scheduler:
         leader = seq.prompt_leader
         return (self.block_manager.enable_prefix_caching and leader is not None
                 and leader.status is SequenceStatus.RUNNING and leader.num_computed_tokens < leader.num_prompt_tokens)
+
+    def _leaders_tail_block(self, seq: Sequence, num_matched: int) -> int | None:
+        """The leader's block holding the prompt's last, partial block, where a new sibling may copy it instead of
+        computing it again: it then computes only the prompt's last token, for its logits, as a decode would. On a CPU
+        each of the n - 1 siblings computing up to 15 tokens attended over the whole context made the step where
+        they joined the longest of an echo attack (0.7 s against 0.47 s, 4,090-token prompts, fp32)."""
+        leader, block_size, prompt_len = seq.prompt_leader, self.block_manager.block_size, len(seq)
+        tail_index, tail_tokens = divmod(prompt_len - 1, block_size)
+        if (leader is None or not self.block_manager.enable_prefix_caching or seq.params.prompt_logprobs is not None
+                or prompt_len != seq.num_prompt_tokens or num_matched != tail_index or tail_tokens == 0):
+            return None
+        leader_holds_it = (leader.status is SequenceStatus.RUNNING and leader.num_computed_tokens >= prompt_len - 1
+                           and len(leader.block_table) > tail_index)
+        if not leader_holds_it or leader.token_ids[:prompt_len] != seq.token_ids:
+            return None
+        return leader.block_table[tail_index]
 
     def _largest_chunk_that_fits(self, matched: list[int], num_cached: int) -> int:
         bm = self.block_manager

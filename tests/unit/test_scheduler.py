@@ -21,8 +21,9 @@ class FakeEngine:
         self.pool = [None] * (num_blocks * block_size)
         self.finished: list[Sequence] = []
 
-    def add(self, rid, prompt, max_tokens):
+    def add(self, rid, prompt, max_tokens, leader=None):
         s = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens))
+        s.prompt_leader = leader  # a choice of the same n > 1 request, as RequestInbox sets it
         self.scheduler.add(s)
         return s
 
@@ -30,6 +31,9 @@ class FakeEngine:
         self.propose()
         batch = self.scheduler.schedule()
         self.check_invariants(batch)
+        bs = self.bm.block_size
+        for source, target in batch.block_copies:  # as ModelRunner does before the step
+            self.pool[target * bs : (target + 1) * bs] = self.pool[source * bs : (source + 1) * bs]
         for s, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.draft_token_ids):
             inputs = s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n - len(drafts)] + drafts
             for pos, token in enumerate(inputs, start=s.num_computed_tokens):
@@ -108,12 +112,20 @@ prompts = st.lists(st.integers(0, 3), min_size=1, max_size=40)  # a tiny vocabul
     max_num_seqs=st.integers(1, 8),
     budget=st.integers(8, 64),
     abort_at=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 11)), max_size=4),
+    choices=st.integers(1, 3),
 )
-def test_random_workloads_keep_every_invariant_and_finish(requests, num_blocks, block_size, max_num_seqs, budget, abort_at):
+def test_random_workloads_keep_every_invariant_and_finish(requests, num_blocks, block_size, max_num_seqs, budget, abort_at,
+                                                          choices):
+    """With `choices` > 1 every request also has siblings (n > 1), which copy their leader's partial prompt block:
+    assert_context_intact reads the copy back."""
     budget = max(budget, block_size)
     engine = FakeEngine(num_blocks, block_size, max_num_seqs, budget)
     capacity = num_blocks * block_size
-    seqs = [engine.add(str(i), p, m) for i, (p, m) in enumerate(requests) if len(p) < capacity]
+    seqs = []
+    for i, (p, m) in enumerate(requests):
+        if len(p) < capacity:
+            leader = engine.add(str(i), p, m)
+            seqs += [leader] + [engine.add(f"{i}.{c}", p, m, leader) for c in range(1, choices)]
     aborts = dict(abort_at)
     for step in range(40):
         if step in aborts and aborts[step] < len(seqs) and not seqs[aborts[step]].is_finished:
@@ -273,6 +285,33 @@ def test_a_sibling_waits_for_its_leaders_prompt_then_shares_its_blocks():
     while engine.scheduler.num_unfinished:
         engine.step()
     assert engine.bm.num_free_blocks == 64
+
+
+def test_a_sibling_copies_its_leaders_partial_prompt_block_and_computes_only_the_last_token():
+    engine = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64)
+    prompt = list(range(19))  # 4 full blocks, then 3 tokens in a fifth
+    leader = engine.add("a", prompt, max_tokens=3)
+    sibling = engine.add("b", prompt, max_tokens=3, leader=leader)
+    engine.step()
+    batch = engine.step()
+    assert batch.seqs == [leader, sibling] and batch.num_new_tokens == [1, 1]
+    assert batch.block_copies == [(leader.block_table[4], sibling.block_table[4])]
+    assert sibling.block_table[:4] == leader.block_table[:4] and sibling.block_table[4] != leader.block_table[4]
+    assert engine.pool[sibling.block_table[4] * 4 : sibling.block_table[4] * 4 + 3] == [16, 17, 18]
+    engine.drain()
+    assert sibling.output_token_ids == leader.output_token_ids and engine.bm.num_free_blocks == 64
+
+
+def test_a_sibling_computes_the_partial_block_itself_once_its_leader_finished():
+    engine = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_tokens_per_step=64)
+    prompt = list(range(19))
+    leader = engine.add("a", prompt, max_tokens=1)
+    sibling = engine.add("b", prompt, max_tokens=1, leader=leader)
+    engine.step()  # the leader computes the prompt and finishes, freeing its partial block
+    batch = engine.step()
+    assert leader.is_finished and batch.seqs == [sibling]
+    assert batch.num_new_tokens == [3] and batch.block_copies == []
+    engine.drain()
 
 
 def test_a_sibling_does_not_wait_for_a_preempted_leader():
