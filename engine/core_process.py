@@ -22,6 +22,7 @@ from engine.errors import EngineOverloadedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import RecordingSink, StepMetrics
 from engine.sequence import RequestMetrics, RequestOutput
+from engine.step_stats import freeze_gc_heap
 
 log = logging.getLogger("engine.core")
 IDLE_POLL_MS = 500
@@ -49,6 +50,7 @@ def main() -> int:
         outputs.send(encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
         return 1
     loop = CoreLoop(engine, inputs, outputs, loop_threads=engine.claim_threads())
+    freeze_gc_heap()
     outputs.send(encoder.encode(CoreReady(engine.limits, engine.settings(), loop.stats())))
     try:
         loop.run()

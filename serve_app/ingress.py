@@ -16,6 +16,7 @@ from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
+from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve_app.protocol import Admitted, GenerationJob, Refused
 from serve_app.replica_client import RemoteReplica, ReplicaClient
@@ -49,6 +50,7 @@ class Ingress:
         self.replica = RemoteReplica(replica) if isinstance(replica, DeploymentHandle) else replica
         self.args = args
         self._model_info: dict | None = None
+        freeze_gc_heap()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this in each replica after __init__, so routes and middleware see this replica's args."""

@@ -16,6 +16,7 @@ from engine.async_engine import RequestStream
 from engine.detokenizer import TokenTexts
 from engine.models import load_tokenizer
 from engine.metrics import StepMetrics
+from engine.step_stats import freeze_gc_heap
 from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
 from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, TokenLogprob
@@ -48,6 +49,7 @@ class EngineReplica:
         self.placement = {"replica_id": serve.get_replica_context().replica_id.unique_id,
                           "node_id": ray.get_runtime_context().get_node_id(),
                           "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        freeze_gc_heap()
 
     @serve.batch(max_batch_size=ADMISSION_BATCH_SIZE, batch_wait_timeout_s=ADMISSION_WAIT_S)
     async def _admit(self, jobs: list[GenerationJob]) -> list[tuple[list[RequestStream], list[int]] | Refused]:
