@@ -1,11 +1,13 @@
 """`topology: colocated`: the ingress and the engine replica in one Serve replica (serve_app/colocated.py). The same
 fp32 engine settings as the session's split app, so greedy answers must match it token for token."""
+import asyncio
 import json
 
 import httpx
 import pytest
 
 from tests.serve.conftest import wait_idle, whole_app
+from tests.serve.test_hostile_input import assert_echo_attack_leaves_streams_flowing
 
 pytestmark = pytest.mark.slow
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0}
@@ -59,3 +61,12 @@ def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
     assert running == 1
     stats = wait_idle(handle)
     assert stats["generation_tokens"] < 200 + 2 * CHAT["max_tokens"], stats  # aborted, not run to its end
+
+
+async def test_the_echo_attack_leaves_another_clients_stream_flowing_here_too(colocated, auth):
+    """One event loop here both formats the attack's megabytes of logprobs and feeds every other stream. Before the
+    siblings copied their partial block and the heaps were frozen, the stream came in fewer than 200 chunks in 5 of
+    6 runs (BENCHMARKS.md, nineteenth session); after, 243-246 chunks and 2.7-5.4 mean steps at the longest."""
+    base, handle = colocated
+    await assert_echo_attack_leaves_streams_flowing(base, auth, handle)
+    await asyncio.to_thread(wait_idle, handle)  # its sync handle calls may not run on this event loop
