@@ -4,13 +4,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
+from engine.draft_stats import DraftStats
 from engine.sampling_params import SamplingParams
-from engine.speculative import DraftStats
-
-if TYPE_CHECKING:  # torch lives there; the scheduler never reads it
-    from engine.output_processor import OutputState
 
 
 class SequenceStatus(enum.Enum):
@@ -46,7 +43,9 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.draft_token_ids: list[int] = []  # speculative tokens proposed for the next step; verified, not trusted
         self.draft_stats = DraftStats()
-        self.runtime: OutputState | None = None  # the output side's per-request state; opaque to the scheduler
+        # the output side's per-request state (output_processor.OutputState), opaque here and typed Any, so this
+        # module imports nothing of the output side (issue 43: imports one way)
+        self.runtime: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -7,7 +7,6 @@ low load a step of 1 + k rows costs about what a step of 1 row does, because dec
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from engine.config import SpeculativeConfig
@@ -41,32 +40,6 @@ def accepted_length(drafts: list[int], targets: list[int]) -> int:
     while count < len(drafts) and drafts[count] == targets[count]:
         count += 1
     return count
-
-
-@dataclass
-class DraftStats:
-    """A sequence's draft length and running acceptance rate. The length follows what was accepted (one more than
-    the last verification confirmed, up to k), so each draft row tends to be one that pays; speculation pauses while
-    the rate is low."""
-
-    acceptance: float = 1.0  # exponential moving average of accepted / proposed per verification
-    paused_steps: int = 0
-    length: int | None = None  # drafts to propose next; None: k
-
-    def record(self, proposed: int, accepted: int, config: SpeculativeConfig) -> None:
-        self.length = accepted + 1
-        self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / proposed)
-        if self.acceptance < config.min_acceptance:
-            self.paused_steps, self.acceptance = config.pause_steps, config.min_acceptance * 2
-
-    def next_length(self, k: int) -> int:
-        return k if self.length is None else min(k, self.length)
-
-    def may_propose(self) -> bool:
-        if self.paused_steps:
-            self.paused_steps -= 1
-            return False
-        return True
 
 
 def expected_accepted(acceptance: float, length: int) -> float:

@@ -1,6 +1,7 @@
 """N-gram proposals and the acceptance bookkeeping of speculative decoding (pure logic)."""
 from engine.config import SpeculativeConfig
-from engine.speculative import DraftStats, StepCosts, accepted_length, expected_accepted, propose_ngram
+from engine.draft_stats import DraftStats
+from engine.speculative import StepCosts, accepted_length, expected_accepted, propose_ngram
 
 
 def propose(tokens, k=3, min_n=1, max_n=3, window=1000):

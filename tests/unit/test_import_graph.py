@@ -1,0 +1,121 @@
+"""Imports run one way (issue 43): no circle among the project's modules, `TYPE_CHECKING` imports included, and the
+core's bookkeeping (scheduler, block manager, sequences, sampling parameters) loads no torch when imported. Read
+from the source with `ast`, so nothing is imported to check it."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "serve_app")
+TORCH_FREE = ("engine.scheduler", "engine.block_manager", "engine.sequence", "engine.sampling_params",
+              "engine.config", "engine.errors", "engine.speculative", "engine.request_inbox", "engine.tool_calls")
+
+
+def project_modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported_names(module: str, path: Path, at_import_only: bool) -> set[str]:
+    """Every module `module` imports, absolute names; with `at_import_only`, only what runs when it is imported (not
+    function bodies, not `if TYPE_CHECKING:` blocks)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    nodes = list(ast.iter_child_nodes(ast.parse(path.read_text())))
+    while nodes:
+        node = nodes.pop()
+        if at_import_only and (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or _type_checking(node)):
+            continue
+        nodes.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+            names.add(base)
+    return names
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def import_graph(at_import_only: bool) -> dict[str, set[str]]:
+    """Project module -> the project modules and the outside top-level packages it imports."""
+    modules = project_modules()
+    graph = {}
+    for module, path in modules.items():
+        names = imported_names(module, path, at_import_only)
+        graph[module] = {n for n in names if n in modules} | {n.split(".")[0] for n in names if n.split(".")[0] not in PACKAGES}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, groups, counter = {}, {}, set(), [], [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root] & graph.keys())))]
+        index[root] = low[root] = counter = counter + 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(sorted(group))
+            elif child not in index:
+                index[child] = low[child] = counter = counter + 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child] & graph.keys()))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return groups
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
+def test_no_module_imports_itself_back_type_checking_imports_included():
+    assert cycles(import_graph(at_import_only=False)) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_cores_bookkeeping_loads_no_torch():
+    graph = import_graph(at_import_only=True)
+    for module in TORCH_FREE:
+        assert "torch" not in reachable(graph, module), module
+
+
+def test_the_torch_check_sees_torch_through_the_model_runner():
+    assert "torch" in reachable(import_graph(at_import_only=True), "engine.model_runner")
