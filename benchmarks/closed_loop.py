@@ -13,7 +13,7 @@ import typer
 import yaml
 from tqdm.auto import tqdm
 
-from engine import LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
 from core_env import restart_as_served  # the sibling script
@@ -35,7 +35,8 @@ class ClosedLoop:
     """`users` seeded requests of the load-test mix in flight; each one that finishes is replaced by the next."""
 
     def __init__(self, threads: int | None = None, users: int = 48, temperature: float = 1.0, max_tokens: int = 128):
-        self.engine = LLMEngine(served_engine_config(**({"num_threads": threads} if threads else {})))
+        self.llm = LLM(config=served_engine_config(**({"num_threads": threads} if threads else {})))
+        self.engine = self.llm.engine
         self.temperature, self.max_tokens = temperature, max_tokens
         self._prompts, self._rng, self._ids = load_prompts(), random.Random(0), itertools.count()
         for _ in range(users):
@@ -44,11 +45,11 @@ class ClosedLoop:
     def _add(self) -> None:
         i = next(self._ids)
         params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=i)
-        self.engine.add_request(f"r{i}", self._rng.choice(self._prompts).messages, params)
+        self.llm.add_request(f"r{i}", self._rng.choice(self._prompts).messages, params)
 
     def step(self) -> int:
         """One engine step; returns how many requests finished (and were replaced)."""
-        finished = [out for out in self.engine.step() if out.finished]
+        finished = [out for out in self.llm.step() if out.finished]
         for _ in finished:
             self._add()
         return len(finished)

@@ -81,7 +81,7 @@ def hf_perplexity(model: str, llm: LLM, texts: list[str]) -> float:
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=torch.float32).eval()
     scores = []
     for text in texts:
-        ids = llm.engine.tokenize(text)
+        ids = llm.inputs.tokenize(text)
         logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
         scores += logprobs.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
     return math.exp(-statistics.fmean(scores))
@@ -103,7 +103,7 @@ def agreement(reference: list[list[int]], answers: list[list[int]]) -> tuple[flo
 
 def judge(reference: LLM, instructions: list[str], answers: list[list[int]]) -> float:
     """Mean logprob per answer token under the reference model, teacher-forced after the instruction."""
-    prompts = [reference.engine.tokenize([{"role": "user", "content": text}]) for text in instructions]
+    prompts = [reference.inputs.tokenize([{"role": "user", "content": text}]) for text in instructions]
     outs = reference.generate([p + a for p, a in zip(prompts, answers)], SamplingParams(max_tokens=1, prompt_logprobs=0),
                               use_tqdm=False)
     scores = [o.prompt_logprobs[pos][o.prompt_token_ids[pos]]

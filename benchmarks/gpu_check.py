@@ -139,43 +139,43 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_rate(engine, device: str, batch: int, sizes: Sizes) -> dict:
+def decode_rate(llm, device: str, batch: int, sizes: Sizes) -> dict:
     """Step time and tok/s of decode steps with `batch` sequences running, prefill excluded."""
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=sizes.decode_steps + 64, temperature=0.0, ignore_eos=True)  # none ends early
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
-    _start(engine, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch), params)
-    before = engine.counters["generation_tokens"]
+    _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch), params)
+    before = llm.engine.counters["generation_tokens"]
     sync(device)
     started = time.perf_counter()
     for _ in range(sizes.decode_steps):
-        engine.step()
+        llm.step()
     sync(device)
     seconds = time.perf_counter() - started
-    tokens = engine.counters["generation_tokens"] - before
-    _finish(engine, ids)
+    tokens = llm.engine.counters["generation_tokens"] - before
+    _finish(llm, ids)
     return {"batch": batch, "step_ms": round(1e3 * seconds / sizes.decode_steps, 3), "tok_s": round(tokens / seconds, 1),
             "tokens": tokens}
 
 
-def _start(engine, ids: list[str], work: list[list[int]], params) -> None:
+def _start(llm, ids: list[str], work: list[list[int]], params) -> None:
     """Add the requests and step until every one has its first token (the engine's counters run on across calls)."""
-    first_tokens = engine.counters["generation_tokens"] + len(ids)
+    first_tokens = llm.engine.counters["generation_tokens"] + len(ids)
     for request_id, prompt in zip(ids, work):
-        engine.add_request(request_id, prompt, params)
-    while engine.counters["generation_tokens"] < first_tokens or engine.stats()["num_waiting"]:
-        engine.step()
+        llm.add_request(request_id, prompt, params)
+    while llm.engine.counters["generation_tokens"] < first_tokens or llm.engine.stats()["num_waiting"]:
+        llm.step()
 
 
-def _finish(engine, ids: list[str]) -> None:
+def _finish(llm, ids: list[str]) -> None:
     for request_id in ids:
-        engine.abort(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
+        llm.abort(request_id)
+    while llm.has_unfinished_requests():
+        llm.step()
 
 
-def kernels_per_decode_step(engine, device: str, batch: int, sizes: Sizes) -> int | None:
+def kernels_per_decode_step(llm, device: str, batch: int, sizes: Sizes) -> int | None:
     """Kernels the GPU ran in one decode step at `batch`, counted by torch's profiler."""
     if device != "cuda":
         return None
@@ -186,26 +186,26 @@ def kernels_per_decode_step(engine, device: str, batch: int, sizes: Sizes) -> in
 
     ids = [f"profile-{i}" for i in range(batch)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    _start(engine, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 7), params)
-    engine.step()
+    _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 7), params)
+    llm.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.step()
+        llm.step()
         torch.cuda.synchronize()
-    _finish(engine, ids)
+    _finish(llm, ids)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def prefill_time(engine, device: str, sizes: Sizes) -> dict:
+def prefill_time(llm, device: str, sizes: Sizes) -> dict:
     """Time to the first token of one prompt of `prefill_tokens`, chunked at max_num_batched_tokens."""
     from engine import SamplingParams
 
     prompt = prompts(1, sizes.prefill_tokens, sizes.vocab_size, 11)[0]
-    engine.add_request("prefill", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    llm.add_request("prefill", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     sync(device)
     started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
+    while llm.has_unfinished_requests():
+        llm.step()
     seconds = time.perf_counter() - started
     return {"tokens": sizes.prefill_tokens, "seconds": round(seconds, 4), "tok_s": round(sizes.prefill_tokens / seconds, 1)}
 
@@ -278,14 +278,14 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
         results.setdefault("settings", settings)
         if settings["attention_backend"] != "triton":
             failures.append(f"attention_backend is {settings['attention_backend']}, not triton")
-        results["decode"][mode] = [decode_rate(engine, device, batch, sizes) for batch in sizes.batches]
+        results["decode"][mode] = [decode_rate(llm, device, batch, sizes) for batch in sizes.batches]
         for row in results["decode"][mode]:
             log(f"decode {mode} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s")
             if row["tokens"] != row["batch"] * sizes.decode_steps:
                 failures.append(f"decode {mode} batch {row['batch']}: {row['tokens']} tokens")
         if eager:
-            results["kernels_per_step"] = {b: kernels_per_decode_step(engine, device, b, sizes) for b in (1, sizes.batches[-1])}
-            results["prefill"] = prefill_time(engine, device, sizes)
+            results["kernels_per_step"] = {b: kernels_per_decode_step(llm, device, b, sizes) for b in (1, sizes.batches[-1])}
+            results["prefill"] = prefill_time(llm, device, sizes)
             log(f"kernels per decode step: {results['kernels_per_step']}; prefill {results['prefill']}")
         else:
             results["engine_static"] = engine_generate(llm, device, sizes.batches[-1], sizes)

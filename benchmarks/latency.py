@@ -21,7 +21,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from bench import cpu_flags  # the sibling script
-from engine import LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.layers.linear import Linear
 from core_env import restart_as_served  # the sibling script
@@ -44,37 +44,37 @@ def read_bandwidth_gbs(threads: int, gib: float = 1.0, repeats: int = 5) -> floa
     return buffer.numel() * 4 / min(times) / 1e9
 
 
-def step_weight_bytes(llm_engine: LLMEngine, rows: int) -> int:
+def step_weight_bytes(llm: LLM, rows: int) -> int:
     """Weight bytes one decode step of `rows` sequences reads: blocks where they run at that size, else the dense copy."""
     total = 0
-    for module in llm_engine.model.modules():
+    for module in llm.engine.model.modules():
         if isinstance(module, Linear):
             dense = module.resident_bytes - (module.blocks.nbytes if module.blocks is not None else 0)
             total += module.blocks.nbytes if rows <= module.block_rows else dense
     return total
 
 
-def engine_for(variant: str, threads: int) -> LLMEngine:
+def engine_for(variant: str, threads: int) -> LLM:
     """variant: weights-dtype, e.g. gguf-float32; a `-layered` suffix runs small decode steps layer by layer in
     Python instead of as one native call (the comparison for `engine/csrc/decoder_cpu.cpp`)."""
     weights, dtype, *layered = variant.split("-")
-    llm_engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=threads, quantization=None if weights == "dense" else "gguf",
-                                        num_kv_blocks=512, max_num_seqs=16))
+    llm = LLM(config=EngineConfig(dtype=dtype, num_threads=threads, quantization=None if weights == "dense" else "gguf",
+                                  num_kv_blocks=512, max_num_seqs=16))
     if layered:
-        llm_engine.model.model.use_native_decode(False)
-    return llm_engine
+        llm.engine.model.model.use_native_decode(False)
+    return llm
 
 
-def offline_itl(llm_engine: LLMEngine, concurrency: int, tokens: int) -> list[float]:
+def offline_itl(llm: LLM, concurrency: int, tokens: int) -> list[float]:
     """Inter-token gaps (s) of `concurrency` requests decoding together; prompts prefilled first, outside the gaps."""
-    ids = llm_engine.tokenizer.encode(PROMPT)
+    ids = llm.inputs.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(concurrency):
-        llm_engine.add_request(f"c{concurrency}-{i}-{time.monotonic_ns()}", ids, params)
+        llm.add_request(f"c{concurrency}-{i}-{time.monotonic_ns()}", ids, params)
     last: dict[str, float] = {}
     gaps: list[float] = []
-    while llm_engine.has_unfinished_requests():
-        for output in llm_engine.step():
+    while llm.has_unfinished_requests():
+        for output in llm.step():
             now = time.perf_counter()
             if output.request_id in last:
                 gaps.append(now - last[output.request_id])
@@ -152,14 +152,14 @@ def main(variants: str = "dense-float32,gguf-float32,gguf-bfloat16", concurrency
     levels = [int(c) for c in concurrency.split(",")]
     rows: list[dict] = []
     for variant in tqdm(variants.split(","), desc="variants"):
-        llm_engine = engine_for(variant, threads)
-        offline_itl(llm_engine, 1, 8)  # warm-up
+        llm = engine_for(variant, threads)
+        offline_itl(llm, 1, 8)  # warm-up
         for level in levels:
-            runs_gaps = [offline_itl(llm_engine, level, tokens) for _ in range(runs)]
+            runs_gaps = [offline_itl(llm, level, tokens) for _ in range(runs)]
             rows.append(against_bytes_limit({"variant": variant, "path": "offline", "concurrency": level,
                                              **summarize([g for gaps in runs_gaps for g in gaps])},
-                                            step_weight_bytes(llm_engine, level), bandwidth))
-        del llm_engine
+                                            step_weight_bytes(llm, level), bandwidth))
+        del llm
     if llama_cpp_python:
         gaps, version = llama_cpp_itl(llama_cpp_python, threads, tokens, runs)
         rows.append(against_bytes_limit({"variant": f"llama.cpp {version}", "path": "offline", "concurrency": 1,

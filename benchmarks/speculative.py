@@ -19,7 +19,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from bench import cpu_flags  # the sibling scripts
-from engine import LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig
 from workload import Request, chat_workload, copy_workload
 
@@ -27,13 +27,13 @@ cli = typer.Typer(add_completion=False)
 console = Console(width=160)
 
 
-def engine_for(weights: str, dtype: str, threads: int, speculative: bool, k: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype=dtype, num_threads=threads, quantization=None if weights == "dense" else "gguf",
-                                  num_kv_blocks=4096, max_num_seqs=128, max_num_batched_tokens=2048,
-                                  speculative=SpeculativeConfig(num_speculative_tokens=k) if speculative else None))
+def engine_for(weights: str, dtype: str, threads: int, speculative: bool, k: int) -> LLM:
+    return LLM(config=EngineConfig(dtype=dtype, num_threads=threads, quantization=None if weights == "dense" else "gguf",
+                                   num_kv_blocks=4096, max_num_seqs=128, max_num_batched_tokens=2048,
+                                   speculative=SpeculativeConfig(num_speculative_tokens=k) if speculative else None))
 
 
-def closed_loop(llm_engine: LLMEngine, requests: list[Request], concurrency: int, ignore_eos: bool) -> dict:
+def closed_loop(llm: LLM, requests: list[Request], concurrency: int, ignore_eos: bool) -> dict:
     """Keep `concurrency` requests in flight until all are done. Per request: decode tok/s from its first token to
     its last. Returns the medians, the wall time, the tokens and each request's output ids."""
     queue = list(enumerate(requests))
@@ -44,10 +44,10 @@ def closed_loop(llm_engine: LLMEngine, requests: list[Request], concurrency: int
     while queue or in_flight:
         while queue and len(in_flight) < concurrency:
             i, r = queue.pop(0)
-            llm_engine.add_request(str(i), r.messages, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+            llm.add_request(str(i), r.messages, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
                                                                       ignore_eos=ignore_eos))
             in_flight.add(str(i))
-        for out in llm_engine.step():
+        for out in llm.step():
             now = time.perf_counter()
             if out.delta_token_ids:
                 first.setdefault(out.request_id, now)
@@ -61,10 +61,10 @@ def closed_loop(llm_engine: LLMEngine, requests: list[Request], concurrency: int
             "tokens": sum(map(len, outputs.values())), "outputs": [outputs[i] for i in range(len(requests))]}
 
 
-def measure(llm_engine: LLMEngine, requests: list[Request], concurrency: int, runs: int, ignore_eos: bool) -> dict:
-    before = llm_engine.stats()
-    results = [closed_loop(llm_engine, requests, concurrency, ignore_eos) for _ in range(runs)]
-    after = llm_engine.stats()
+def measure(llm: LLM, requests: list[Request], concurrency: int, runs: int, ignore_eos: bool) -> dict:
+    before = llm.engine.stats()
+    results = [closed_loop(llm, requests, concurrency, ignore_eos) for _ in range(runs)]
+    after = llm.engine.stats()
     proposed = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     return {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in results),
@@ -86,8 +86,8 @@ def main(weights: str = "dense,gguf", dtype: str = "float32", concurrency: str =
     rows = []
     for weight in tqdm(weights.split(","), desc="weights"):
         engines = {spec: engine_for(weight, dtype, threads, spec, k) for spec in (False, True)}
-        for llm_engine in engines.values():
-            closed_loop(llm_engine, copy_workload(1, 8, seed=9), 1, False)  # warm-up
+        for llm in engines.values():
+            closed_loop(llm, copy_workload(1, 8, seed=9), 1, False)  # warm-up
         cases = [(name, reqs, level, eos) for name, (reqs, eos) in workloads.items() for level in levels]
         cases.append(("default mix, high load", high, len(high), True))
         for name, reqs, level, ignore_eos in tqdm(cases, desc=f"{weight} cases", leave=False):

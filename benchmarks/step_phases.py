@@ -24,7 +24,7 @@ import engine.detokenizer
 import engine.layers.linear
 import engine.models.hf
 import engine.models.llama
-from engine import LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from core_env import restart_as_served  # the sibling script
 
@@ -50,7 +50,8 @@ class PhaseClock:
 
 
 @contextmanager
-def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
+def instrumented(llm: LLM, clock: PhaseClock):
+    llm_engine = llm.engine
     targets = [(llm_engine.runner, "execute", "model"), (llm_engine, "sampler", "sampler"),
                (engine.detokenizer.IncrementalDetokenizer, "add", "detokenizer"),
                (llm_engine.scheduler, "schedule", "scheduler")]
@@ -70,32 +71,32 @@ def instrumented(llm_engine: LLMEngine, clock: PhaseClock):
             setattr(owner, name, original)
 
 
-def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) -> LLMEngine:
+def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) -> LLM:
     """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks), then "+compile" or "+layered"."""
     layered, impl = impl.endswith("+layered"), impl.removesuffix("+layered")
     impl, compiled = impl.removesuffix("+compile"), impl.endswith("+compile")
     weights = {"model_impl": "native", "quantization": "gguf"} if impl == "gguf" else {"model_impl": impl}
-    llm_engine = LLMEngine(EngineConfig(**weights, compile=compiled, dtype=dtype, num_threads=threads, max_num_seqs=batch,
-                                        max_num_batched_tokens=2048, num_kv_blocks=batch * (context // 16 + 8)))
+    llm = LLM(config=EngineConfig(**weights, compile=compiled, dtype=dtype, num_threads=threads, max_num_seqs=batch,
+                                  max_num_batched_tokens=2048, num_kv_blocks=batch * (context // 16 + 8)))
     if layered:
-        llm_engine.model.model.use_native_decode(False)
+        llm.engine.model.model.use_native_decode(False)
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        llm_engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(context)], params)
-    while llm_engine.stats()["generation_tokens"] < batch:  # every prompt prefilled: only decodes from here
-        if any(output.error for output in llm_engine.step()):
+        llm.add_request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(context)], params)
+    while llm.engine.stats()["generation_tokens"] < batch:  # every prompt prefilled: only decodes from here
+        if any(output.error for output in llm.step()):
             raise RuntimeError(f"{impl}: a step failed; see the engine's log")
-    return llm_engine
+    return llm
 
 
 def measure(impl: str, dtype: str, threads: int, batch: int, context: int, steps: int) -> dict[str, float]:
-    llm_engine = decode_batch(impl, dtype, threads, batch, context)
+    llm = decode_batch(impl, dtype, threads, batch, context)
     per_step: list[dict[str, float]] = []
     for _ in trange(steps, desc=f"{impl} decode steps"):
         clock = PhaseClock()
-        with instrumented(llm_engine, clock):
+        with instrumented(llm, clock):
             start = time.perf_counter()
-            llm_engine.step()
+            llm.step()
             total = time.perf_counter() - start
         s = clock.seconds
         per_step.append({"step": total, "linear": s["linear"], "attention": s["attention"],

@@ -1,6 +1,7 @@
 """AsyncLLMEngine: the front end of the engine. Requests are validated and tokenized here, on the caller's
-thread; the core (scheduler, model, sampler) runs on a background thread or, with `engine_process`, in a child
-process of its own; each request gets an async stream of deltas."""
+thread (input_processor.py); the core (scheduler, model, sampler) runs on a background thread or, with
+`engine_process`, in a child process of its own, and answers in token ids, which become text here
+(output_processor.py); each request gets an async stream of outputs."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,14 @@ from collections import defaultdict
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
+from engine.core_messages import CoreOutput
 from engine.core_protocol import EngineCore
 from engine.errors import EngineDeadError
-from engine.input_processor import Prompt
+from engine.input_processor import InputProcessor, Prompt
 from engine.metrics import StepMetrics
+from engine.models import load_tokenizer
+from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,8 @@ class AsyncLLMEngine:
         self.config = config = config.model_copy(update=overrides) if overrides else config
         self._streams: dict[str, RequestStream] = {}
         self.dead_reason: str | None = None
+        # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs'
+        input_tokenizer, output_tokenizer = load_tokenizer(config), load_tokenizer(config)
         self.core: EngineCore
         if config.engine_process:
             from engine.core_client import ProcessCore
@@ -83,8 +88,10 @@ class AsyncLLMEngine:
             from engine.core_thread import ThreadCore
 
             self.core = ThreadCore(config, self._dispatch, self._die)
-        self.inputs = self.core.inputs  # tokenizing, validation, grammars: the front end's, on callers' threads
-        self.max_model_len = self.core.limits.max_model_len
+        limits = self.core.limits
+        self.inputs = InputProcessor(config, input_tokenizer, limits, self.core.grammars)  # on callers' threads
+        self.outputs = OutputProcessor(output_tokenizer, limits.eos_token_ids)  # on the thread that calls _dispatch
+        self.max_model_len = limits.max_model_len
         self.settings = self.core.settings  # what the running engine actually uses
 
     def warm_up(self) -> None:
@@ -114,13 +121,14 @@ class AsyncLLMEngine:
             raise EngineDeadError(self.dead_reason)
         request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, prompt_leader=prompt_leader)
         self.start()
+        self.outputs.add(request)  # refuses an id in flight
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         try:
             self.core.add(request)
         except BaseException:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            self._streams.pop(request_id, None)
+            self.outputs.forget(request_id)
             raise
         return stream
 
@@ -158,7 +166,10 @@ class AsyncLLMEngine:
 
     # -- called from the core's thread ---------------------------------------------------------------
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, core_outputs: list[CoreOutput]) -> None:
+        outputs, stopped = self.outputs.process(core_outputs)
+        for request_id in stopped:
+            self.core.abort(request_id, "stop")
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
         for output in outputs:
             stream = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)

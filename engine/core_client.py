@@ -1,9 +1,9 @@
 """ProcessCore: the front end's handle on an engine core running in a child process (engine/core_process.py).
-An EngineCore (core_protocol.py), as ThreadCore is: validated requests go in, RequestOutputs come out through `deliver`.
+An EngineCore (core_protocol.py), as ThreadCore is: validated requests go in, each step's CoreOutputs come out
+through `deliver`, on a receiver thread.
 
 One ZMQ PUSH/PULL pair over ipc carries msgpack messages: requests and aborts as they come, one CoreOutputs per
-step back. A receiver thread turns the core's deltas into the RequestOutputs the in-process engine gives, so
-callers see no difference. The child dies with this process (its stdin is our pipe)."""
+step back. The child dies with this process (its stdin is our pipe)."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +14,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -22,41 +21,15 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core_protocol import Deliver, OnDeath
-from engine.core_messages import (CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest,
-                                  FromCore)
+from engine.core_messages import CoreFailed, CoreInputs, CoreOutputs, CoreReady, CoreSetup, EngineRequest, FromCore
 from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
 from engine.host_memory import with_huge_page_heap
-from engine.input_processor import InputProcessor
 from engine.metrics import MetricsSink, StepMetrics, replay
-from engine.models import load_tokenizer
 from engine.step_recovery import step_problem
-from engine.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver looks at the child while no message comes
 START_TIMEOUT_S = 900  # a first start converts the embedded GGUF and builds the kernels
-
-
-@dataclass
-class RequestTotals:
-    """What the core sends as deltas, added up into what RequestOutput carries."""
-
-    prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-    def add(self, out: CoreOutput) -> RequestOutput:
-        self.text += out.delta_text
-        self.token_ids += out.delta_token_ids
-        if out.delta_logprobs is not None:
-            self.logprobs = (self.logprobs or []) + out.delta_logprobs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        return RequestOutput(out.request_id, self.prompt_token_ids, self.text, list(self.token_ids), out.delta_text,
-                             out.delta_token_ids, out.finish_reason, out.metrics, self.logprobs, out.error,
-                             out.num_cached_tokens, self.prompt_logprobs)
 
 
 def core_environment(env) -> dict[str, str]:
@@ -80,7 +53,7 @@ class ProcessCore:
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
-        self._totals: dict[str, RequestTotals] = {}  # requests in flight
+        self._in_flight: set[str] = set()  # request ids sent and not yet reported finished
         self._metrics_sink: MetricsSink | None = None
         self._closing = False
         self.dead_reason: str | None = None
@@ -90,14 +63,13 @@ class ProcessCore:
         self.process.stdin.write(msgspec.json.encode(setup) + b"\n")
         self.process.stdin.flush()
         try:
-            tokenizer = load_tokenizer(config)  # while the child imports and loads
             ready = self._wait_ready()
         except BaseException:
             self.shutdown(timeout=1.0)
             raise
         self.limits, self.settings, self._stats = ready.limits, ready.settings, ready.stats
+        self.grammars = None  # the core compiles its own, in its process
         self._last_progress = time.monotonic()
-        self.inputs = InputProcessor(config, tokenizer, self.limits)
         self._receiver = threading.Thread(target=self._receive_loop, name="engine-core-receiver", daemon=True)
         self._receiver.start()
 
@@ -132,21 +104,21 @@ class ProcessCore:
         """Checks what only the core could otherwise: a duplicate id, a full queue (counting every request in
         flight not known to be running, so the core itself never has to refuse)."""
         limit = self.config.max_waiting
-        if request.request_id in self._totals:
+        if request.request_id in self._in_flight:
             raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
-        if limit is not None and len(self._totals) - self._stats["num_running"] >= limit:
+        if limit is not None and len(self._in_flight) - self._stats["num_running"] >= limit:
             raise EngineOverloadedError(f"the engine queue is full ({limit} waiting requests)")
-        if not self._totals:
+        if not self._in_flight:
             self._last_progress = time.monotonic()  # the core was idle: the wait for a step starts now
-        self._totals[request.request_id] = RequestTotals(request.prompt_token_ids)
+        self._in_flight.add(request.request_id)
         try:
             self._send(CoreInputs(requests=[request]))
         except BaseException:
-            del self._totals[request.request_id]
+            self._in_flight.discard(request.request_id)
             raise
 
-    def abort(self, request_id: str) -> None:
-        self._send(CoreInputs(aborts=[request_id]))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._send(CoreInputs(stops=[request_id]) if reason == "stop" else CoreInputs(aborts=[request_id]))
 
     def attach_metrics(self, metrics: StepMetrics) -> None:
         """The core's StepMetrics records; its updates are replayed here, on `metrics.sink`."""
@@ -157,7 +129,7 @@ class ProcessCore:
         return dict(self._stats)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._totals)
+        return bool(self._in_flight)
 
     def health_problem(self) -> str | None:
         """A dead core, a core with work that has not finished a step within step_timeout_s, or K failed steps."""
@@ -165,7 +137,7 @@ class ProcessCore:
             return self.dead_reason
         if self.process.poll() is not None:
             return f"the engine core process exited with code {self.process.returncode}"
-        waited = time.monotonic() - self._last_progress if self._totals else None
+        waited = time.monotonic() - self._last_progress if self._in_flight else None
         return step_problem(self.config, waited, "with requests in flight, no engine step finished in",
                             self._stats.get("consecutive_failed_steps", 0))
 
@@ -217,12 +189,10 @@ class ProcessCore:
         self._stats = message.stats
         if self._metrics_sink is not None:
             replay(message.metric_updates, self._metrics_sink)
-        outputs = []
         for out in message.outputs:
-            totals = self._totals.pop(out.request_id) if out.finish_reason is not None else self._totals.get(out.request_id)
-            if totals is not None:
-                outputs.append(totals.add(out))
-        self._deliver(outputs)
+            if out.finish_reason is not None:
+                self._in_flight.discard(out.request_id)
+        self._deliver(message.outputs)
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is None and not self._closing:

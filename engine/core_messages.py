@@ -33,20 +33,21 @@ class CoreInputs(msgspec.Struct):
 
     requests: list[EngineRequest] = []
     aborts: list[str] = []
+    stops: list[str] = []  # requests the front end finished on a stop string: ended as "stop", not "abort"
     metrics_model_name: str | None = None  # start reporting step metrics under this model name
     shutdown: bool = False
 
 
 class CoreOutput(msgspec.Struct):
-    """One request's progress in one step: deltas only; the front end keeps the totals."""
+    """One request's progress in one step, in token ids: what is new only; the front end detokenizes, checks stop
+    strings and keeps the totals."""
 
     request_id: str
-    delta_text: str
-    delta_token_ids: list[int]
+    new_token_ids: list[int]
     metrics: RequestMetrics
     finish_reason: str | None = None
     error: str | None = None
-    delta_logprobs: list[dict[int, float]] | None = None
+    new_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the request's first output
 

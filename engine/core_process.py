@@ -21,7 +21,7 @@ from engine.core_messages import CoreFailed, CoreInputs, CoreOutput, CoreOutputs
 from engine.errors import EngineOverloadedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import RecordingSink, StepMetrics
-from engine.sequence import RequestMetrics, RequestOutput
+from engine.sequence import RequestMetrics
 from engine.step_stats import freeze_gc_heap
 
 log = logging.getLogger("engine.core")
@@ -97,7 +97,7 @@ class CoreLoop:
                 self._apply(message)
             self._admit_compiled()
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            self._send([*self.refused, *map(to_core_output, outputs)])
+            self._send([*self.refused, *outputs])
             self.refused = []
 
     def _receive(self, timeout: int) -> list[CoreInputs]:
@@ -121,12 +121,13 @@ class CoreLoop:
                 self.compiling.append((request, self.compiler.submit(self.engine.grammars.prepare, spec)))
             else:
                 self._add(request)
-        aborted = set(message.aborts)
-        for entry in [entry for entry in self.compiling if entry[0].request_id in aborted]:
+        ended = {**dict.fromkeys(message.aborts, "abort"), **dict.fromkeys(message.stops, "stop")}
+        for entry in [entry for entry in self.compiling if entry[0].request_id in ended]:
             self.compiling.remove(entry)  # never reached the engine: it finishes here
-            self.refused.append(CoreOutput(entry[0].request_id, "", [], RequestMetrics(entry[0].arrival_time), "abort"))
-        for request_id in aborted:
-            self.engine.abort(request_id)
+            request_id = entry[0].request_id
+            self.refused.append(CoreOutput(request_id, [], RequestMetrics(entry[0].arrival_time), ended[request_id]))
+        for request_id, reason in ended.items():
+            self.engine.abort(request_id, reason)
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is now compiled join the engine (a copy of the compiled matcher each)."""
@@ -137,10 +138,10 @@ class CoreLoop:
 
     def _add(self, request: EngineRequest) -> None:
         try:
-            self.engine.add_engine_request(request)
+            self.engine.add_request(request)
         except Exception as exc:  # the front end checks first; this is the rare race, never a lost request
             reason = str(exc) if isinstance(exc, EngineOverloadedError) else f"{type(exc).__name__}: {exc}"
-            self.refused.append(CoreOutput(request.request_id, "", [], RequestMetrics(request.arrival_time),
+            self.refused.append(CoreOutput(request.request_id, [], RequestMetrics(request.arrival_time),
                                            "abort", f"the engine refused the request: {reason}"))
 
     def stats(self) -> dict[str, float]:
@@ -159,15 +160,6 @@ def _lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
-
-
-def to_core_output(out: RequestOutput) -> CoreOutput:
-    """The step's news of one request: its deltas, and its prompt logprobs with its first tokens."""
-    new = len(out.delta_token_ids)
-    first = new == len(out.token_ids)
-    return CoreOutput(out.request_id, out.delta_text, out.delta_token_ids, out.metrics, out.finish_reason, out.error,
-                      out.logprobs[len(out.logprobs) - new:] if out.logprobs is not None else None,
-                      out.num_cached_tokens, out.prompt_logprobs if first else None)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,11 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.core_messages import EngineRequest, ModelLimits
-    from engine.input_processor import InputProcessor
+    from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
     from engine.metrics import StepMetrics
-    from engine.sequence import RequestOutput
+    from engine.structured_output import GrammarCompiler
 
-Deliver = Callable[["list[RequestOutput]"], None]  # a step's outputs, called from the core's own thread
+Deliver = Callable[["list[CoreOutput]"], None]  # a step's outputs, called from the core's own thread
 OnDeath = Callable[[str], None]  # the reason the core stopped for good
 
 
@@ -19,8 +18,8 @@ class EngineCore(Protocol):
     """Built with (config, deliver, on_death); ready to take requests once `start` returns."""
 
     config: EngineConfig
-    inputs: InputProcessor  # tokenizing and validation, on callers' threads
     limits: ModelLimits
+    grammars: GrammarCompiler | None  # the core's compile cache, where the front end can share it (in-process)
     settings: dict[str, Any]  # what the running engine actually uses
 
     def warm_up(self) -> None: ...
@@ -30,7 +29,8 @@ class EngineCore(Protocol):
     def add(self, request: EngineRequest) -> None:
         """Queue a validated request; raises EngineOverloadedError when the waiting queue is full."""
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request; the front end ends one that reached a stop string with reason "stop"."""
 
     def attach_metrics(self, metrics: StepMetrics) -> None: ...
 

@@ -22,7 +22,7 @@ class ThreadCore:
     def __init__(self, config: EngineConfig, deliver: Deliver, on_death: OnDeath):
         self.engine = LLMEngine(config)
         self.config = config
-        self.inputs = self.engine.inputs
+        self.grammars = self.engine.grammars
         self.limits = self.engine.limits
         self.settings = self.engine.settings()
         self._deliver = deliver
@@ -43,11 +43,11 @@ class ThreadCore:
             self._thread.start()
 
     def add(self, request: EngineRequest) -> None:
-        self.engine.add_engine_request(request)
+        self.engine.add_request(request)
         self._wake.set()
 
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self.engine.abort(request_id, reason)
         self._wake.set()
 
     def attach_metrics(self, metrics: StepMetrics) -> None:

@@ -19,11 +19,11 @@ MAX_CACHE_SALT_CHARS = 256
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer, limits: ModelLimits):
+    def __init__(self, config: EngineConfig, tokenizer, limits: ModelLimits, grammars: GrammarCompiler | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.limits = limits
-        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size)
+        self.grammars = grammars or GrammarCompiler(tokenizer, limits.vocab_size)  # an in-process core's, shared
         # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
         self.max_prompt_chars = limits.max_model_len * max(map(len, tokenizer.get_vocab()))
 

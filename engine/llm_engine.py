@@ -1,4 +1,6 @@
-"""LLMEngine: one step() = schedule -> forward -> sample -> append, check stops, free."""
+"""LLMEngine, the engine core: one step() = schedule -> forward -> sample -> append, check stops, free. It takes
+validated requests of token ids (EngineRequest) and returns each step's new token ids (CoreOutput); the front end
+(input_processor.py, output_processor.py) tokenizes, detokenizes and checks stop strings."""
 from __future__ import annotations
 
 import logging
@@ -11,25 +13,25 @@ from tqdm.auto import tqdm
 from engine.attention_backend import choose_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.core_messages import EngineRequest, ModelLimits
+from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
 from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
 from engine.host_memory import keep_freed_memory
-from engine.input_processor import InputProcessor, Prompt
 from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, StepLogits
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
-from engine.output_processor import OutputProcessor
 from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import RequestOutput, Sequence
+from engine.sequence import Sequence
 from engine.speculative import COUNTERS as SPEC_COUNTERS
 from engine.speculative import Speculator, accepted_length
 from engine.step_recovery import retry_in_groups
 from engine.step_sampler import StepSampler
 from engine.step_stats import GcPauses, PhaseTimer, stats_of
+from engine.structured_output import GrammarCompiler
+from engine.request_progress import StopChecker, core_output, new_progress
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = choose_attention_backend(config, self.device.type)  # refused before the weights load
         self.model = load_model(config, self.device, self.dtype)
-        self.tokenizer = load_tokenizer(config)  # callers' threads: encoding
-        self.detokenizer_tokenizer = load_tokenizer(config)  # step thread: fast tokenizers are not shareable across threads
+        self.tokenizer = load_tokenizer(config)  # the core's only use of it: the grammars' vocabulary and EOS ids
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.vocab_size
         self.eos_token_ids = self._eos_token_ids()
@@ -67,9 +68,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
                                   sorted(self.eos_token_ids))
-        self.inputs = InputProcessor(config, self.tokenizer, self.limits)
-        self.grammars = self.inputs.grammars  # one compile cache: the front end validates, the core copies matchers
-        self.outputs = OutputProcessor(self.detokenizer_tokenizer, self.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
+        self.stops = StopChecker(self.eos_token_ids, self.max_model_len)
         self.sampler = StepSampler(self.eos_token_ids)
         self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting))
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
@@ -104,32 +104,21 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
-        return self.inputs.tokenize(prompt, tools)
-
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
-                    prompt_leader: str | None = None) -> Sequence:
-        """Validate, tokenize and enqueue. Thread-safe; raises EngineInputError on bad input. Requests with a
-        `cache_salt` share prefix-cache blocks only with requests carrying the same salt. A request naming a
-        `prompt_leader` (an earlier request with the same prompt, as the choices of n > 1 are) waits for it to
-        compute the prompt and then shares its blocks."""
-        return self.add_engine_request(
-            self.inputs.process(request_id, prompt, params, arrival_time, cache_salt, tools, prompt_leader))
-
-    def add_engine_request(self, request: EngineRequest) -> Sequence:
+    def add_request(self, request: EngineRequest) -> Sequence:
         """Enqueue a request the front end validated. Thread-safe; EngineInputError for an id already in flight,
-        EngineOverloadedError past max_waiting."""
-        params, token_ids = request.params, request.prompt_token_ids
+        EngineOverloadedError past max_waiting. A request naming a `prompt_leader` (an earlier request with the same
+        prompt, as the choices of n > 1 are) waits for it to compute the prompt and then shares its blocks."""
+        params = request.params
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
-        seq = Sequence(request.request_id, token_ids, params, request.arrival_time, request.cache_salt)
-        seq.runtime = self.outputs.new_state(request, grammar)
+        seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time, request.cache_salt)
+        seq.runtime = new_progress(request, grammar)
         self.inbox.put(seq, request.prompt_leader)
         return seq
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed at the start of the next step. Thread-safe."""
-        self.inbox.abort(request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request; its blocks are freed at the start of the next step. Thread-safe. The front end ends one
+        that reached a stop string with reason "stop"."""
+        self.inbox.abort(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.inbox.has_pending or bool(self.scheduler.num_unfinished)
@@ -137,7 +126,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """One short generation before serving: first-call costs (above all compiling the decoder, with `compile`)
         stay out of user latency."""
-        self.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+        self.add_request(EngineRequest("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0), 2,
+                                       time.monotonic()))
         with tqdm(desc="compiling the decoder", unit="step", bar_format="{desc}: {n} steps, {elapsed}",
                   disable=not self.config.compile) as bar:  # without compile it takes a tenth of a second
             while self.has_unfinished_requests():
@@ -146,21 +136,21 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[CoreOutput]:
         self.step_started_at = time.monotonic()
         try:
             return self._step()
         finally:
             self.step_started_at = None
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[CoreOutput]:
         start = time.perf_counter()
         with self.phases("schedule"):
             outputs = self._drain_inbox()
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler.running, self._draft_room)
             batch = self.scheduler.schedule()
-        outputs += [self.outputs.output(seq) for seq in batch.out_of_memory]
+        outputs += [core_output(seq) for seq in batch.out_of_memory]
         if batch:
             run_start = time.perf_counter()
             outputs += self._run(batch)
@@ -168,29 +158,29 @@ class LLMEngine:
                 self.speculator.step_ran(batch.num_new_tokens, batch.draft_token_ids, time.perf_counter() - run_start)
         self.counters["num_steps"] += 1
         for out in outputs:
-            if out.finished:
+            if out.finish_reason is not None:
                 self.inbox.finished(out.request_id)
         if self.metrics is not None:
             self._record_metrics(outputs, batch.num_tokens)
         self.step_seconds += time.perf_counter() - start
         return outputs
 
-    def _record_metrics(self, outputs: list[RequestOutput], step_tokens: int) -> None:
+    def _record_metrics(self, outputs: list[CoreOutput], step_tokens: int) -> None:
         now = time.monotonic()
         for out in outputs:
-            if out.finished:
+            if out.finish_reason is not None:
                 self.metrics.finished(out.metrics.arrival_time, now, "error" if out.error else out.finish_reason)
         self.metrics.flush(self.stats(), step_tokens)
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    def _drain_inbox(self) -> list[CoreOutput]:
         new, aborted = self.inbox.take()
         for seq in new:
             self.scheduler.add(seq)
-        for seq in aborted:
-            self.scheduler.finish(seq, "abort")
-        return [self.outputs.output(seq) for seq in aborted]
+        for seq, reason in aborted:
+            self.scheduler.finish(seq, reason)
+        return [core_output(seq) for seq, _ in aborted]
 
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
         try:
             outputs = self._execute(batch)
         except Exception:  # one bad request must not fail its batch-mates: find it, fail it, serve the rest
@@ -203,7 +193,7 @@ class LLMEngine:
         self.consecutive_failed_steps = 0
         return outputs
 
-    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _execute(self, batch: ScheduledBatch) -> list[CoreOutput]:
         step = self.runner.execute(batch)
         for part in step.prompt:
             self.sampler.record_prompt_logprobs(part)
@@ -214,8 +204,8 @@ class LLMEngine:
             return self._commit(batch, step, drafts, tokens, logprobs)
 
     def _commit(self, batch: ScheduledBatch, step: StepLogits, drafts: dict[str, list[int]], tokens: list[int],
-                logprobs: list) -> list[RequestOutput]:
-        """Append what was sampled: accepted drafts, stops, text deltas; fail rows without a valid distribution."""
+                logprobs: list) -> list[CoreOutput]:
+        """Append what was sampled: accepted drafts and stops; fail rows without a valid distribution."""
         outputs, emitted = [], []
         row = 0
         for seq, rows in zip(step.seqs, step.rows):
@@ -236,7 +226,7 @@ class LLMEngine:
                 self.scheduler.release_rejected(seq)
         return outputs
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> CoreOutput:
         """Append a step's tokens (more than one where drafts were accepted) until one finishes the sequence."""
         for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             if i:
@@ -249,7 +239,7 @@ class LLMEngine:
                 return self._fail(seq, f"post-processing failed: {type(exc).__name__}")
             if seq.is_finished:
                 break
-        return self.outputs.output(seq)
+        return core_output(seq)
 
     def _draft_room(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
@@ -265,13 +255,13 @@ class LLMEngine:
         return sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
                    for seq, n in zip(batch.seqs, batch.num_new_tokens))
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, message: str) -> CoreOutput:
         seq.runtime.error = message
         self.scheduler.finish(seq, "abort")
-        return self.outputs.output(seq)
+        return core_output(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
-        reason = self.outputs.append(seq, token, logprob)
+        reason = self.stops.append(seq, token, logprob)
         now, timing = time.monotonic(), seq.metrics
         if self.metrics is not None:
             self.metrics.token(timing.arrival_time, timing.first_scheduled_time, timing.last_token_time, now)

@@ -1,115 +1,151 @@
-"""From sampled tokens to what a request's reader sees: detokenizing, stop conditions (EOS, stop ids, stop strings, a
-finished grammar, length), the text held back while it could still turn into a stop string, and the deltas sent."""
+"""The front end's output half: the core's new token ids per step become each request's text. Detokenizing, stop
+strings (a request that ends on one is stopped in the core by the caller), the text held back while it could still
+turn into a stop string, and the totals a reader sees, all accumulated here once. It runs on one thread (a fast
+tokenizer is not shareable across threads): the core's thread in-process, the receiver thread beside a core process."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import logging
+from dataclasses import dataclass, field
 
-import torch
-
-from engine.core_messages import EngineRequest
+from engine.core_messages import CoreOutput, EngineRequest
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import make_generator
-from engine.sequence import RequestOutput, Sequence
+from engine.errors import EngineInputError
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestMetrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class OutputState:
-    """What the engine tracks per request to turn its tokens into text deltas (`Sequence.runtime`)."""
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = field(default=None)
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position, when asked for
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestText:
+    """One request's totals as its reader sees them."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    max_tokens: int
+    stop_holdback: int
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     sent_text_len: int = 0
     sent_token_len: int = 0
-    logprobs: list[dict[int, float]] | None = None
-    error: str | None = None
-    stop_holdback: int = 0
-    grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
-        self.tokenizer = tokenizer  # the step thread's own: fast tokenizers are not shareable across threads
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
+    def __init__(self, tokenizer, eos_token_ids: list[int]):
+        self.tokenizer = tokenizer  # this processor's own: see the module's docstring
+        self.eos_token_ids = set(eos_token_ids)
+        self.requests: dict[str, RequestText] = {}
 
-    def new_state(self, request: EngineRequest, grammar: Any) -> OutputState:
-        params, token_ids = request.params, request.prompt_token_ids
-        return OutputState(
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-            generator=make_generator(params),
-            max_tokens=request.max_tokens,
-            logprobs=[] if params.logprobs is not None else None,
+    def add(self, request: EngineRequest) -> None:
+        """Track a request before the core can answer for it; EngineInputError for an id already in flight."""
+        if request.request_id in self.requests:
+            raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
+        params = request.params
+        self.requests[request.request_id] = RequestText(
+            prompt_token_ids=request.prompt_token_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
-            grammar=grammar,
-            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
+            logprobs=[] if params.logprobs is not None else None,
         )
 
-    def append(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> str | None:
-        """Append one sampled token to `seq` and its text; return why it finished, or None."""
-        state: OutputState = seq.runtime
-        seq.append_token(token)
-        if state.logprobs is not None:
-            state.logprobs.append(logprob)
-        if state.grammar is not None and not state.grammar.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {state.grammar.get_error()}")
-        state.text += state.detokenizer.add(token)
-        reason = self._stop_reason(seq, token)
-        if reason is not None and (reason == "length" or token not in self.eos_token_ids):
-            state.text += state.detokenizer.flush()
-            self._truncate_at_stop_string(seq)
-        return reason
+    def forget(self, request_id: str) -> None:
+        """A request the core never took."""
+        self.requests.pop(request_id, None)
 
-    def output(self, seq: Sequence) -> RequestOutput:
-        """The request's state now, with what is new since the last output as its deltas."""
-        state: OutputState = seq.runtime
-        finished = seq.is_finished
-        visible = len(state.text) if finished else max(state.sent_text_len, len(state.text) - state.stop_holdback)
-        output_ids = seq.output_token_ids
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=state.text[:visible],
-            token_ids=output_ids,
-            delta_text=state.text[state.sent_text_len:visible],
-            delta_token_ids=output_ids[state.sent_token_len:],
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            logprobs=state.logprobs,
-            error=state.error,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            prompt_logprobs=state.prompt_logprobs,
-        )
-        state.sent_text_len, state.sent_token_len = visible, len(output_ids)
-        return out
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """The step's outputs for readers, and the ids of requests a stop string ended, which the core must stop.
+        Outputs for requests already ended here are dropped."""
+        results, stopped = [], []
+        for out in outputs:
+            request = self.requests.get(out.request_id)
+            if request is None:
+                continue
+            try:
+                reason, error = self._append(request, out)
+            except Exception as exc:  # one request's text must not fail the step's others
+                log.exception("post-processing of request %s failed", out.request_id)
+                reason, error = "abort", f"post-processing failed: {type(exc).__name__}"
+            if reason is not None and out.finish_reason is None:
+                stopped.append(out.request_id)
+            if reason is not None:
+                del self.requests[out.request_id]
+            results.append(self._output(out, request, reason, error))
+        return results, stopped
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params, state = seq.params, seq.runtime
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return "stop"
-            if token in params.stop_token_ids:
-                return "stop"
-            if params.stop_strings and self._stop_string_at(seq) is not None:
-                return "stop"
-        if state.grammar is not None and state.grammar.is_stopped():
-            return "stop"  # the structure is complete: only EOS could follow
-        if seq.num_output_tokens >= state.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+    def _append(self, request: RequestText, out: CoreOutput) -> tuple[str | None, str | None]:
+        """Add the step's tokens to the text; the reason the request ended (here or in the core), and its error."""
+        if out.prompt_logprobs is not None:
+            request.prompt_logprobs = out.prompt_logprobs
+        for i, token in enumerate(out.new_token_ids):
+            request.token_ids.append(token)
+            if request.logprobs is not None and out.new_logprobs is not None:
+                request.logprobs.append(out.new_logprobs[i])
+            if self._add_text(request, request.detokenizer.add(token)):
+                return "stop", None  # the core's later tokens, accepted drafts included, are not the reader's
+        if out.finish_reason == "length" or (out.finish_reason == "stop" and request.token_ids[-1] not in self.eos_token_ids):
+            self._add_text(request, request.detokenizer.flush())  # an EOS ends the text as it is
+        return out.finish_reason, out.error
 
     @staticmethod
-    def _stop_string_at(seq: Sequence) -> int | None:
-        state = seq.runtime
-        window_start = max(0, state.sent_text_len - state.stop_holdback)
-        hits = [i for i in (state.text.find(s, window_start) for s in seq.params.stop_strings) if i >= 0]
-        return min(hits) if hits else None
+    def _add_text(request: RequestText, chunk: str) -> bool:
+        """Append a token's text; where that completes a stop string (min_tokens reached), cut the text where the
+        stop string starts and say so. Only the tail the chunk could complete is searched, as vLLM does."""
+        start = len(request.text)
+        request.text += chunk
+        params = request.params
+        if not chunk or not params.stop_strings or len(request.token_ids) < params.min_tokens:
+            return False
+        hits = [i for i in (request.text.find(s, max(0, start - len(s) + 1)) for s in params.stop_strings) if i >= 0]
+        if hits:
+            request.text = request.text[:min(hits)]
+        return bool(hits)
 
-    def _truncate_at_stop_string(self, seq: Sequence) -> None:
-        if seq.params.stop_strings:
-            cut = self._stop_string_at(seq)
-            if cut is not None:
-                seq.runtime.text = seq.runtime.text[:cut]
+    @staticmethod
+    def _output(out: CoreOutput, request: RequestText, reason: str | None, error: str | None) -> RequestOutput:
+        """The request's state now, with what is new since its last output as the deltas."""
+        finished = reason is not None
+        visible = len(request.text) if finished else max(request.sent_text_len, len(request.text) - request.stop_holdback)
+        token_ids = list(request.token_ids)
+        result = RequestOutput(
+            request_id=out.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            text=request.text[:visible],
+            token_ids=token_ids,
+            delta_text=request.text[request.sent_text_len:visible],
+            delta_token_ids=token_ids[request.sent_token_len:],
+            finish_reason=reason,
+            metrics=out.metrics,
+            logprobs=request.logprobs,
+            error=error,
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=request.prompt_logprobs,
+        )
+        request.sent_text_len, request.sent_token_len = visible, len(token_ids)
+        return result

@@ -15,7 +15,7 @@ class RequestInbox:
         self._num_scheduled_waiting = num_scheduled_waiting  # the scheduler's queue counts against max_waiting too
         self._lock = threading.Lock()
         self._new: list[Sequence] = []
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, str]] = []  # (request id, finish reason)
         self._in_flight: dict[str, Sequence] = {}
 
     def put(self, seq: Sequence, prompt_leader: str | None = None) -> None:
@@ -29,18 +29,21 @@ class RequestInbox:
             self._in_flight[seq.request_id] = seq
             self._new.append(seq)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
         with self._lock:
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, reason))
 
-    def take(self) -> tuple[list[Sequence], list[Sequence]]:
-        """The requests added since the last call, and the unfinished ones aborted since then (new ones included),
-        each once however often it was aborted."""
+    def take(self) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+        """The requests added since the last call, and the unfinished ones aborted since then (new ones included)
+        with the reason they end, each once however often it was aborted (the first reason given)."""
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
-            aborted = [self._in_flight.get(request_id) for request_id in dict.fromkeys(aborts)]
-        return new, [seq for seq in aborted if seq is not None and not seq.is_finished]
+            reasons: dict[str, str] = {}
+            for request_id, reason in aborts:
+                reasons.setdefault(request_id, reason)
+            aborted = [(self._in_flight.get(request_id), reason) for request_id, reason in reasons.items()]
+        return new, [(seq, reason) for seq, reason in aborted if seq is not None and not seq.is_finished]
 
     def finished(self, request_id: str) -> None:
         with self._lock:

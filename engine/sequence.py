@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.draft_stats import DraftStats
@@ -43,8 +43,8 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.draft_token_ids: list[int] = []  # speculative tokens proposed for the next step; verified, not trusted
         self.draft_stats = DraftStats()
-        # the output side's per-request state (output_processor.OutputState), opaque here and typed Any, so this
-        # module imports nothing of the output side (issue 43: imports one way)
+        # the core's per-request progress (request_progress.RequestProgress), opaque here and typed Any, so this
+        # module imports nothing that imports it back (issue 43: imports one way)
         self.runtime: Any = None
 
     def __len__(self) -> int:
@@ -75,27 +75,3 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    delta_text: str
-    delta_token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    logprobs: list[dict[int, float]] | None = None
-    error: str | None = field(default=None)
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position, when asked for
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -6,14 +6,15 @@ import logging
 from typing import Callable
 
 from engine.config import EngineConfig
+from engine.core_messages import CoreOutput
 from engine.scheduler import ScheduledBatch
-from engine.sequence import RequestOutput, Sequence
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 
-def retry_in_groups(batch: ScheduledBatch, execute: Callable[[ScheduledBatch], list[RequestOutput]],
-                    fail: Callable[[Sequence, str], RequestOutput]) -> tuple[list[RequestOutput], bool]:
+def retry_in_groups(batch: ScheduledBatch, execute: Callable[[ScheduledBatch], list[CoreOutput]],
+                    fail: Callable[[Sequence, str], CoreOutput]) -> tuple[list[CoreOutput], bool]:
     """Retry the step once without the sequences still in prefill (the newest admissions, where bad input shows
     first), then each of those alone; only a group that fails again is failed. Nothing was committed by the failed
     attempt (computed counts advance after sampling), so a retry recomputes the same KV slots. Returns the outputs

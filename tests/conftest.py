@@ -80,4 +80,4 @@ def llm32():
 
 @pytest.fixture(scope="session")
 def tokenizer(llm32):
-    return llm32.engine.tokenizer
+    return llm32.inputs.tokenizer

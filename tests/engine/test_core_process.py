@@ -76,6 +76,19 @@ async def test_the_cores_step_metrics_reach_the_parents_sink(core):
     assert sink.registry.get_sample_value("engine_request_success_total", {**sample, "finish_reason": "length"}) == 1
     assert sink.registry.get_sample_value("engine_time_to_first_token_seconds_count", sample) == 1
     assert sink.registry.get_sample_value("engine_step_phase_seconds_total", {**sample, "phase": "forward"}) > 0
+    # a stop string is found by the front end, which ends the request and has the core stop it: counted as "stop"
+    free = outs[-1].text
+    stop = free[len(free) // 2:][:2]
+    stopped = [o async for o in core.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                                      stop=[stop]))]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].text == free[:free.index(stop)]
+    for _ in range(100):
+        if not core.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.05)
+    assert sink.registry.get_sample_value("engine_request_success_total", {**sample, "finish_reason": "stop"}) == 1
+    assert sink.registry.get_sample_value("engine_request_success_total", {**sample, "finish_reason": "abort"}) is None
+    assert core.stats()["kv_blocks_free"] == core.stats()["kv_blocks_total"]
 
 
 async def test_a_killed_core_fails_the_requests_in_flight_and_says_so_in_health():

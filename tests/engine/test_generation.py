@@ -98,18 +98,18 @@ def test_default_thread_count_is_every_usable_core():
 def test_the_choices_of_one_request_copy_the_prompts_partial_block_and_answer_as_one_would(llm32):
     """n > 1: the siblings find the leader's full prompt blocks in the prefix cache and copy its last, partial one,
     so each computes one prompt token, not the up to 15 of that block; greedy, each answers as the request alone."""
-    prompt = llm32.engine.inputs.tokenize(CHAT * 3)
+    prompt = llm32.inputs.tokenize(CHAT * 3)
     assert len(prompt) % 16 > 1, len(prompt)  # a partial block with something to copy
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = llm32.generate([prompt], params, use_tqdm=False)[0].token_ids
     engine = llm32.engine
     computed_before = engine.stats()["prompt_tokens"]
-    engine.add_request("lead", prompt, params)
+    llm32.add_request("lead", prompt, params)
     for i in range(3):
-        engine.add_request(f"sibling{i}", prompt, params, prompt_leader="lead")
+        llm32.add_request(f"sibling{i}", prompt, params, prompt_leader="lead")
     finals = {}
-    while engine.has_unfinished_requests():
-        finals.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    while llm32.has_unfinished_requests():
+        finals.update((o.request_id, o.token_ids) for o in llm32.step() if o.finished)
     assert all(ids == alone for ids in finals.values()) and len(finals) == 4
     # the leader found its own earlier blocks but the last; each sibling computed only the prompt's last token
     assert engine.stats()["prompt_tokens"] - computed_before == len(prompt) % 16 + 3

@@ -71,22 +71,20 @@ def test_absurd_sampling_parameters_are_refused_naming_the_field(changes, param)
 
 
 def test_text_that_cannot_fit_or_is_not_unicode_is_refused_before_tokenizing(llm32):
-    engine = llm32.engine
     with pytest.raises(EngineInputError, match="characters") as info:
-        engine.add_request("long", "a" * (engine.inputs.max_prompt_chars + 1), ORDINARY)
+        llm32.add_request("long", "a" * (llm32.inputs.max_prompt_chars + 1), ORDINARY)
     assert info.value.param == "prompt"
     with pytest.raises(EngineInputError, match="surrogate") as info:
-        engine.add_request("surrogate", [{"role": "user", "content": "hi \ud800"}], ORDINARY)
+        llm32.add_request("surrogate", [{"role": "user", "content": "hi \ud800"}], ORDINARY)
     assert info.value.param == "messages[0].content"
     with pytest.raises(EngineInputError, match="cache_salt"):
-        engine.add_request("salt", "hi", ORDINARY, cache_salt="")
+        llm32.add_request("salt", "hi", ORDINARY, cache_salt="")
 
 
 def test_max_tokens_limit_caps_the_default_and_refuses_more(llm32, monkeypatch):
-    engine = llm32.engine
-    monkeypatch.setattr(engine.inputs, "config", engine.config.model_copy(update={"max_tokens_limit": 5}))
+    monkeypatch.setattr(llm32.inputs, "config", llm32.engine.config.model_copy(update={"max_tokens_limit": 5}))
     with pytest.raises(EngineInputError, match="at most 5") as info:
-        engine.add_request("over", "hi", SamplingParams(max_tokens=6))
+        llm32.add_request("over", "hi", SamplingParams(max_tokens=6))
     assert info.value.param == "max_tokens"
     (out,) = llm32.generate(["hi"], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
@@ -106,13 +104,13 @@ def test_a_broken_decode_path_counts_against_the_engine_under_steady_traffic(llm
     monkeypatch.setattr(engine.runner, "execute", decode_broken)
     failed = []
     for i in range(4):  # a new request arrives before every step
-        engine.add_request(f"steady-{i}", f"request number {i}", ORDINARY)
-        failed += [out.request_id for out in engine.step() if out.error]
+        llm32.add_request(f"steady-{i}", f"request number {i}", ORDINARY)
+        failed += [out.request_id for out in llm32.step() if out.error]
     assert failed == ["steady-0", "steady-1", "steady-2"]
     assert engine.consecutive_failed_steps == 3
     monkeypatch.setattr(engine.runner, "execute", execute)
-    while engine.has_unfinished_requests():
-        engine.step()
+    while llm32.has_unfinished_requests():
+        llm32.step()
     assert engine.consecutive_failed_steps == 0
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 

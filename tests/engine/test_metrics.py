@@ -54,11 +54,11 @@ def test_counters_and_histograms_match_the_requests(llm32):
         lengths = [3, 5, 9]
         llm32.generate(["Once upon a time", "The sky is", "Hello"],
                        [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths], use_tqdm=False)
-        engine.add_request("to-abort", "A request that is aborted", SamplingParams(max_tokens=50))
-        engine.step()
-        engine.abort("to-abort")
-        while engine.has_unfinished_requests():
-            engine.step()
+        llm32.add_request("to-abort", "A request that is aborted", SamplingParams(max_tokens=50))
+        llm32.step()
+        llm32.abort("to-abort")
+        while llm32.has_unfinished_requests():
+            llm32.step()
     finally:
         engine.metrics = None
     assert sample(sink, "engine_generation_tokens_total") == sum(lengths) + 1  # the aborted one got its first token

@@ -48,7 +48,7 @@ def test_a_forced_tool_call_has_arguments_valid_for_its_function(llm32):
 
 def test_a_schema_that_cannot_compile_is_an_input_error_and_compiles_are_cached(llm32):
     with pytest.raises(EngineInputError, match="response_format"):
-        llm32.engine.add_request("bad-schema", "hi", SamplingParams(
+        llm32.add_request("bad-schema", "hi", SamplingParams(
             structured_output=StructuredOutput(json_schema={"type": "nonsense"})))
     compiler = llm32.engine.grammars
     before = len(compiler._templates)

@@ -102,7 +102,7 @@ async def test_thirty_two_different_prompts_get_their_own_answers(aclient, offli
 
     responses = await asyncio.gather(*(one(p) for p in prompts))
     expected = offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
-    tok = offline.engine.tokenizer
+    tok = offline.inputs.tokenizer
     for prompt, response, want in zip(prompts, responses, expected):
         assert response.usage.prompt_tokens == len(tok.encode(prompt))
         got_text = response.choices[0].text

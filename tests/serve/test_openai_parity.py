@@ -56,8 +56,8 @@ def test_a_tool_round_trip_renders_the_call_and_its_result(client, offline):
                     "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
     r = chat(client, messages, tools=[WEATHER_TOOL], max_tokens=24)
-    ids = offline.engine.tokenize(messages, [WEATHER_TOOL])
-    text = offline.engine.tokenizer.decode(ids)
+    ids = offline.inputs.tokenize(messages, [WEATHER_TOOL])
+    text = offline.inputs.tokenizer.decode(ids)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in text
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text and '"name": "get_time"' not in text
     assert r.usage.prompt_tokens == len(ids)

@@ -22,11 +22,11 @@ def test_requests_and_aborts_reach_the_step_once_and_in_order():
     a, b = seq("a"), seq("b")
     inbox.put(a)
     inbox.put(b)
-    inbox.abort("b")
+    inbox.abort("b", "stop")  # the front end found a stop string
     inbox.abort("b")  # a cancelled stream and its closed generator may both abort
     inbox.abort("nobody")
     new, aborted = inbox.take()
-    assert new == [a, b] and aborted == [b]
+    assert new == [a, b] and aborted == [(b, "stop")]  # once, with the first reason given
     assert inbox.take() == ([], []) and not inbox.has_pending
 
 

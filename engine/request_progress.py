@@ -1,0 +1,80 @@
+"""A request's progress in the core: its sampled tokens appended, the stops the core can see (EOS, stop token ids, a
+finished grammar, length), and what is new since its last output. Text, stop strings and totals are the front
+end's (output_processor.py): the core deals in token ids only, as vLLM v1's does."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.core_messages import CoreOutput, EngineRequest
+from engine.sampler import make_generator
+from engine.sequence import Sequence
+
+
+@dataclass
+class RequestProgress:
+    """What the core tracks per request beyond its KV bookkeeping (`Sequence.runtime`)."""
+
+    generator: torch.Generator | None
+    max_tokens: int
+    grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
+    logprobs: list[dict[int, float]] | None = None  # of the tokens not yet sent
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
+    sent_tokens: int = 0
+    error: str | None = None
+
+
+def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
+    params = request.params
+    return RequestProgress(
+        generator=make_generator(params),
+        max_tokens=request.max_tokens,
+        grammar=grammar,
+        logprobs=[] if params.logprobs is not None else None,
+        prompt_logprobs=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
+    )
+
+
+class StopChecker:
+    def __init__(self, eos_token_ids: set[int], max_model_len: int):
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> str | None:
+        """Append one sampled token to `seq`; return why it finished, or None."""
+        progress: RequestProgress = seq.runtime
+        seq.append_token(token)
+        if progress.logprobs is not None:
+            progress.logprobs.append(logprob)
+        if progress.grammar is not None and not progress.grammar.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {progress.grammar.get_error()}")
+        return self._stop_reason(seq, token)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params, progress = seq.params, seq.runtime
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return "stop"
+            if token in params.stop_token_ids:
+                return "stop"
+        if progress.grammar is not None and progress.grammar.is_stopped():
+            return "stop"  # the structure is complete: only EOS could follow
+        if seq.num_output_tokens >= progress.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+
+def core_output(seq: Sequence) -> CoreOutput:
+    """The request's news since its last output: new token ids and their logprobs, its end, and with its first
+    output the prompt's logprobs."""
+    progress: RequestProgress = seq.runtime
+    first = progress.sent_tokens == 0
+    new_tokens = seq.output_token_ids[progress.sent_tokens:]
+    new_logprobs = progress.logprobs
+    if new_logprobs is not None:
+        progress.logprobs = []
+    progress.sent_tokens += len(new_tokens)
+    return CoreOutput(seq.request_id, new_tokens, seq.metrics, seq.finish_reason, progress.error, new_logprobs,
+                      seq.num_cached_tokens or 0, progress.prompt_logprobs if first else None)

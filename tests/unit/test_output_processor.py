@@ -1,0 +1,93 @@
+"""The front end's output half on a real (synthetic, offline) tokenizer: the core's token ids become text, stop strings
+end requests here and name them for the core to stop, and nothing the core sends after the end reaches a reader."""
+import pytest
+
+from engine.core_messages import CoreOutput, EngineRequest
+from engine.errors import EngineInputError
+from engine.output_processor import OutputProcessor
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestMetrics
+from tests.fixtures.tiny_models import synthetic_tokenizer
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return synthetic_tokenizer()
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def start(tokenizer, request_id: str = "r", **params) -> OutputProcessor:
+    processor = OutputProcessor(tokenizer, [EOS])
+    processor.add(EngineRequest(request_id, ids_of(tokenizer, "Say:"), SamplingParams(**params), 64, 0.0))
+    return processor
+
+
+def core(tokens: list[int], finish: str | None = None, request_id: str = "r", error: str | None = None) -> CoreOutput:
+    return CoreOutput(request_id, tokens, RequestMetrics(0.0), finish, error)
+
+
+def test_one_token_at_a_time_the_deltas_add_up_to_the_text_and_hold_no_broken_character(tokenizer):
+    text = "Hello world 🐉 done"
+    processor = start(tokenizer)
+    tokens = ids_of(tokenizer, text)
+    outputs = [processor.process([core([token])])[0][0] for token in tokens[:-1]]
+    (last,), stopped = processor.process([core(tokens[-1:], "length")])
+    outputs.append(last)
+    assert "".join(o.delta_text for o in outputs) == text == last.text and stopped == []
+    assert not any("\ufffd" in o.delta_text for o in outputs)
+    assert last.token_ids == tokens and last.finished and "r" not in processor.requests
+
+
+def test_a_stop_string_ends_the_request_here_cut_before_it_and_names_it_for_the_core(tokenizer):
+    processor = start(tokenizer, stop=["STOP"])
+    tokens = ids_of(tokenizer, "Hello world. STOP here and more")
+    # one output with several tokens, as accepted drafts give: those after the stop string are not the reader's
+    (out,), stopped = processor.process([core(tokens)])
+    assert out.finish_reason == "stop" and out.text == "Hello world. " and stopped == ["r"]
+    assert len(out.token_ids) < len(tokens) and tokenizer.decode(out.token_ids).startswith("Hello world. S")
+    # the core's later outputs for it, up to its own end, reach nobody
+    assert processor.process([core(ids_of(tokenizer, " x")), core([], "stop")]) == ([], [])
+
+
+def test_text_that_could_still_become_a_stop_string_is_held_back_then_released(tokenizer):
+    processor = start(tokenizer, stop=["STOP"])
+    (first,), _ = processor.process([core(ids_of(tokenizer, "Hello ST"))])
+    assert first.delta_text == "Hello"  # " ST" could start "STOP": 3 characters held
+    (second,), stopped = processor.process([core(ids_of(tokenizer, "AY"))])
+    assert second.delta_text == " S" and stopped == []  # "TAY" could not, but 3 characters are always held
+    (last,), _ = processor.process([core([], "length")])
+    assert first.delta_text + second.delta_text + last.delta_text == "Hello STAY" == last.text
+
+
+def test_a_stop_string_before_min_tokens_does_not_end_the_request(tokenizer):
+    tokens = ids_of(tokenizer, "STOP and then STOP")
+    processor = start(tokenizer, stop=["STOP"], min_tokens=len(ids_of(tokenizer, "STOP")) + 1)
+    (out,), stopped = processor.process([core(tokens)])
+    assert out.finish_reason == "stop" and out.text == "STOP and then " and stopped == ["r"]
+
+
+def test_eos_ends_the_text_as_it_is_and_length_flushes_a_partial_character(tokenizer):
+    dragon = ids_of(tokenizer, "🐉")
+    processor = start(tokenizer)
+    (out,), _ = processor.process([core([*ids_of(tokenizer, "hi "), dragon[0], EOS], "stop")])
+    assert out.text == "hi " and out.finish_reason == "stop"
+    processor = start(tokenizer)
+    (out,), _ = processor.process([core([*ids_of(tokenizer, "hi "), dragon[0]], "length")])
+    assert out.text.startswith("hi ") and len(out.text) > 3  # the partial bytes, as a replacement character
+
+
+def test_an_id_in_flight_is_refused_until_forgotten_and_a_core_error_reaches_the_reader(tokenizer):
+    processor = start(tokenizer)
+    request = EngineRequest("r", [1, 2], SamplingParams(), 8, 0.0)
+    with pytest.raises(EngineInputError, match="already in flight"):
+        processor.add(request)
+    processor.forget("r")
+    processor.add(request)
+    (out,), stopped = processor.process([core([], "abort", error="engine step failed: RuntimeError")])
+    assert out.error == "engine step failed: RuntimeError" and out.finish_reason == "abort" and stopped == []
+    assert processor.requests == {}
