@@ -32,7 +32,7 @@ LONG_PROMPT = " ".join(f"clause {i} of the long contract under review" for i in 
 def app_args(policy: str, threads: int | None) -> dict:
     engine = {"dtype": "float32", "num_kv_blocks": 48, "max_num_seqs": 16, "max_waiting": 64, "max_tokens_limit": 256,
               "num_threads": threads}
-    return {"engine": engine, "api_key": KEY, "autoscaling_policy": policy, "num_cpus": 0.25, "min_replicas": 1,
+    return {"engine_config": engine, "api_key": KEY, "autoscaling_policy": policy, "num_cpus": 0.25, "min_replicas": 1,
             "max_replicas": 2, "target_ongoing_requests": 8, "upscale_delay_s": 5, "downscale_delay_s": 15,
             "look_back_period_s": 5}
 

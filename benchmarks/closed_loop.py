@@ -27,7 +27,7 @@ SERVE_CONFIG = Path(__file__).resolve().parent.parent / "serve_app" / "config.ya
 def served_engine_config(**overrides) -> EngineConfig:
     """The engine exactly as `make serve` configures it (serve_app/config.yaml, parsed as the app parses it), in this
     process."""
-    engine = AppArgs(**yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]).engine
+    engine = AppArgs(**yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]).engine_config
     return engine.model_copy(update={"engine_process": False, **overrides})
 
 

@@ -66,7 +66,7 @@ async def over_http(requests, concurrency: int, engine_args: dict, engine_proces
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8011})
-        args = {"engine": {**engine_args, "engine_process": engine_process}}
+        args = {"engine_config": {**engine_args, "engine_process": engine_process}}
         serve.run(build_app(args), name="llm", route_prefix="/")
         async with httpx.AsyncClient(base_url="http://127.0.0.1:8011", timeout=600,
                                      limits=httpx.Limits(max_connections=concurrency)) as client:

@@ -109,7 +109,8 @@ class OutputProcessor:
                 request.logprobs.append(out.new_logprobs[i])
             if self._add_text(request, request.detokenizer.add(token)):
                 return "stop", None  # the core's later tokens, accepted drafts included, are not the reader's
-        if out.finish_reason == "length" or (out.finish_reason == "stop" and request.token_ids[-1] not in self.eos_token_ids):
+        ended_on_eos = bool(request.token_ids) and request.token_ids[-1] in self.eos_token_ids
+        if out.finish_reason == "length" or (out.finish_reason == "stop" and not ended_on_eos):
             self._add_text(request, request.detokenizer.flush())  # an EOS ends the text as it is
         return out.finish_reason, out.error
 

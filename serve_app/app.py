@@ -43,7 +43,7 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
         autoscaling_config={
             "min_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,
-            "target_ongoing_requests": args.target_ongoing_requests or args.engine.max_num_seqs,
+            "target_ongoing_requests": args.target_ongoing_requests or args.engine_config.max_num_seqs,
             "upscale_delay_s": args.upscale_delay_s,
             "downscale_delay_s": args.downscale_delay_s,
             "look_back_period_s": args.look_back_period_s,

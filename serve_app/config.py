@@ -18,8 +18,8 @@ SERVING_ENGINE_DEFAULTS = {"max_waiting": 256, "max_tokens_limit": 4096, "engine
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    # the engine: every EngineConfig knob, set under `engine:` in a Serve config
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(**SERVING_ENGINE_DEFAULTS))
+    # the engine: every EngineConfig knob, set under `engine_config:` in a Serve config
+    engine_config: EngineConfig = Field(default_factory=lambda: EngineConfig(**SERVING_ENGINE_DEFAULTS))
     served_model_name: str | None = None
 
     # placement and scaling
@@ -74,7 +74,7 @@ class AppArgs(BaseModel):
     max_n: int = Field(default=8, ge=1, description="choices per request (OpenAI's n); each is an engine request")
     log_prompts: bool = Field(default=False, description="debug only: prompts and completions in logs")
 
-    @field_validator("engine", mode="before")
+    @field_validator("engine_config", mode="before")
     @classmethod
     def _serving_defaults(cls, value):
         return {**SERVING_ENGINE_DEFAULTS, **value} if isinstance(value, dict) else value
@@ -87,9 +87,9 @@ class AppArgs(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or PurePath(self.engine.model).name
+        return self.served_model_name or PurePath(self.engine_config.model).name
 
     @property
     def replica_max_ongoing_requests(self) -> int:
         # every running and queued request holds a streaming call open on the replica
-        return self.engine.max_num_seqs + (self.engine.max_waiting or 0) + 32  # so the engine, not Serve, answers overload
+        return self.engine_config.max_num_seqs + (self.engine_config.max_waiting or 0) + 32  # so the engine, not Serve, answers overload

@@ -36,16 +36,16 @@ class EngineReplica:
         # Tokenizing a long prompt takes a while: off the event loop, on one thread (a fast tokenizer is not
         # shareable across threads), so streams on this replica keep flowing meanwhile.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self.engine = AsyncLLMEngine(args.engine)
-        self._token_texts = TokenTexts(load_tokenizer(args.engine))  # logprobs' token texts and echo, on the event loop
+        self.frontend = AsyncLLMEngine(args.engine_config)
+        self._token_texts = TokenTexts(load_tokenizer(args.engine_config))  # logprobs' token texts and echo, on the event loop
         # a scored prompt's thousands of entries are formatted on the tokenizer thread, with a tokenizer of its own
-        self._scoring_texts = TokenTexts(load_tokenizer(args.engine))
-        self.engine.warm_up()  # first-call costs stay out of user latency
-        self.engine.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
-        self.engine.start()
+        self._scoring_texts = TokenTexts(load_tokenizer(args.engine_config))
+        self.frontend.warm_up()  # first-call costs stay out of user latency
+        self.frontend.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
+        self.frontend.start()
         self.signals = ReplicaSignals()  # what the engine-signal autoscaling policy reads (serve_app/autoscaling.py)
-        self.model_info = {"max_model_len": self.engine.max_model_len, "model": args.model_name,
-                           "engine": self.engine.settings}
+        self.model_info = {"max_model_len": self.frontend.max_model_len, "model": args.model_name,
+                           "engine": self.frontend.settings}
         self.placement = {"replica_id": serve.get_replica_context().replica_id.unique_id,
                           "node_id": ray.get_runtime_context().get_node_id(),
                           "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
@@ -63,8 +63,8 @@ class EngineReplica:
         """Tokens of the prompt, and the grammar compiled into the engine's cache: both slow, both off the loop."""
         try:
             if job.params.structured_output is not None:
-                self.engine.inputs.grammars.prepare(job.params.structured_output)
-            return self.engine.inputs.tokenize(job.prompt, job.tools)
+                self.frontend.inputs.grammars.prepare(job.params.structured_output)
+            return self.frontend.inputs.tokenize(job.prompt, job.tools)
         except Exception as exc:
             return _refusal(exc, job)
 
@@ -83,12 +83,12 @@ class EngineReplica:
                 # hit the new one, so the engine sees an id of its own per attempt.
                 engine_id = f"{job.request_id}#{uuid.uuid4().hex[:12]}"
                 leader = streams[0].request_id if streams else None
-                streams.append(self.engine.add_request(engine_id, token_ids, _choice_params(job.params, index),
+                streams.append(self.frontend.add_request(engine_id, token_ids, _choice_params(job.params, index),
                                                        cache_salt=job.cache_salt, prompt_leader=leader))
             return streams, token_ids
         except Exception as exc:
             for stream in streams:
-                self.engine.abort_now(stream.request_id)
+                self.frontend.abort_now(stream.request_id)
             return _refusal(exc, job)
 
     async def generate(self, job: GenerationJob):
@@ -133,7 +133,7 @@ class EngineReplica:
         per_step = job.stream_chunks_per_step
         if job.stream_interval is None or per_step is None:
             return job.stream_interval
-        return min(job.stream_interval, max(1, -(-self.engine.num_open_streams // per_step)))
+        return min(job.stream_interval, max(1, -(-self.frontend.num_open_streams // per_step)))
 
     def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, top_logprobs: int | None) -> Delta:
         logprobs = None
@@ -150,24 +150,24 @@ class EngineReplica:
                          for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), **self.placement, "time": time.time(),
-                "health_problem": self.engine.health_problem()}
+        return {**self.frontend.stats(), **self.placement, "time": time.time(),
+                "health_problem": self.frontend.health_problem()}
 
     def info(self) -> dict:
         return self.model_info
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook: the engine's signals, for `autoscaling_policy: engine`."""
-        return self.signals.report(self.engine.stats())
+        return self.signals.report(self.frontend.stats())
 
     async def check_health(self) -> None:
         """Serve replaces this replica when it raises: a dead loop, repeated failed steps or a hung step."""
-        problem = self.engine.health_problem()
+        problem = self.frontend.health_problem()
         if problem:
             raise RuntimeError(problem)
 
     def close_engine(self) -> None:
-        engine = getattr(self, "engine", None)  # absent when __init__ failed before the engine was made
+        engine = getattr(self, "frontend", None)  # absent when __init__ failed before the engine was made
         if engine is not None:
             engine.shutdown(timeout=1.0)
 

@@ -104,7 +104,7 @@ def scenario(workers, cluster) -> dict:
     # the thread core: four replicas start on two cores without four more interpreters importing torch; the core
     # process under Serve (its death, the replica's replacement) is tests/serve/test_resilience.py's
     engine = dict(device="cpu", num_threads=1, max_num_seqs=16, max_waiting=64, num_kv_blocks=256, engine_process=False)
-    args = dict(engine=engine, num_gpus=1, num_cpus=1,
+    args = dict(engine_config=engine, num_gpus=1, num_cpus=1,
                 min_replicas=1, max_replicas=4, target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=5,
                 look_back_period_s=2, ingress_resources={"head": 0.01}, request_timeout_s=120)
     serve.run(build_app(args), name="llm", route_prefix="/")

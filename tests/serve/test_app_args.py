@@ -7,7 +7,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_served_engine_runs_with_the_settings_it_was_given(serve_app, replica_handle):
-    given = AppArgs(**serve_app["args"]).engine
+    given = AppArgs(**serve_app["args"]).engine_config
     effective = replica_handle.info.remote().result(timeout_s=10)["engine"]
     assert effective == {
         "dtype": "float32", "model_impl": "native", "linear_type": "Linear", "packed_weights": True, "block_weights": False,

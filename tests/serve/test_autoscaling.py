@@ -28,8 +28,8 @@ def wait_for_replicas(app: str, count: int, timeout_s: float) -> float:
 
 @pytest.fixture(scope="module")
 def scaling_app(serve_app):
-    engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8}
-    with whole_app(serve_app, "scaling", served_model_name="scaling", engine=engine, num_cpus=0.25,
+    engine_config = {**serve_app["args"]["engine_config"], "num_kv_blocks": 24, "max_num_seqs": 8}
+    with whole_app(serve_app, "scaling", served_model_name="scaling", engine_config=engine_config, num_cpus=0.25,
                    autoscaling_policy="engine", min_replicas=1, max_replicas=2, target_ongoing_requests=64,
                    upscale_delay_s=0, downscale_delay_s=4, look_back_period_s=3,
                    # the pool, the queue or preemptions must say it: a TTFT target this loose never does on this CPU

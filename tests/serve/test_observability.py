@@ -31,11 +31,11 @@ SHARED_PREFIX = "You are a careful assistant who answers in one short paragraph.
 def obs_app(serve_app):
     """A second app with a tiny KV pool (so preemptions happen), its own model_name (so counts are exact) and NF4
     weights (so a non-default engine setting is shown to reach a served engine)."""
-    engine = {**serve_app["args"]["engine"], "num_kv_blocks": 24, "max_num_seqs": 8, "quantization": "nf4",
+    engine_config = {**serve_app["args"]["engine_config"], "num_kv_blocks": 24, "max_num_seqs": 8, "quantization": "nf4",
               "speculative": {"num_speculative_tokens": 3, "disable_by_batch_size": 8, "weigh_cost": False}}
     # NF4 through bitsandbytes is slow on CPUs without AVX-512 (an AVX2 EPYC ran past the session app's 60 s): this
     # test is about metrics, not deadlines
-    with whole_app(serve_app, "obs", served_model_name=MODEL, engine=engine, request_timeout_s=300) as base:
+    with whole_app(serve_app, "obs", served_model_name=MODEL, engine_config=engine_config, request_timeout_s=300) as base:
         yield base
 
 

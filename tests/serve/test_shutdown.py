@@ -34,7 +34,7 @@ def drain_app(serve_app):
 
     from serve_app.app import build_app
 
-    args = {**serve_app["args"], "engine": {**serve_app["args"]["engine"], "dtype": "auto"}, "graceful_shutdown_timeout_s": 60}
+    args = {**serve_app["args"], "engine_config": {**serve_app["args"]["engine_config"], "dtype": "auto"}, "graceful_shutdown_timeout_s": 60}
     serve.run(build_app(args), name="drain", route_prefix="/drain", blocking=False)
     base = serve_app["base_url"] + "/drain"
     wait_healthy(base)

@@ -29,11 +29,11 @@ def test_local_config_binds_loopback_and_gpu_config_asks_for_gpus():
     gpu = yaml.safe_load((ROOT / "serve_app/config.gpu.yaml").read_text())
     assert local["http_options"]["host"] == "127.0.0.1" and local["http_options"]["port"] == 8000
     gpu_args = AppArgs(**gpu["applications"][0]["args"])
-    assert gpu_args.num_gpus == 1 and gpu_args.engine.device == "cuda" and gpu_args.engine.max_tokens_limit == 2048
+    assert gpu_args.num_gpus == 1 and gpu_args.engine_config.device == "cuda" and gpu_args.engine_config.max_tokens_limit == 2048
 
 
 def test_replica_concurrency_is_sized_to_the_engine_not_serve_defaults():
-    args = AppArgs(engine={"max_num_seqs": 64, "max_waiting": 100})
+    args = AppArgs(engine_config={"max_num_seqs": 64, "max_waiting": 100})
     assert args.replica_max_ongoing_requests > 64 + 100
     assert AppArgs().model_name == "SmolLM2-135M-Instruct"
 
@@ -58,10 +58,10 @@ def test_the_drain_outlasts_any_accepted_request_unless_set():
 
 
 def test_serving_defaults_bound_the_queue_and_max_tokens_under_any_engine_settings():
-    assert AppArgs().engine.max_waiting == 256 and AppArgs().engine.max_tokens_limit == 4096
-    args = AppArgs(engine={"model": "x", "max_num_seqs": 8})
-    assert args.engine.max_waiting == 256 and args.engine.max_num_seqs == 8 and args.model_name == "x"
-    assert AppArgs(engine={"max_waiting": 5}).engine.max_waiting == 5
+    assert AppArgs().engine_config.max_waiting == 256 and AppArgs().engine_config.max_tokens_limit == 4096
+    args = AppArgs(engine_config={"model": "x", "max_num_seqs": 8})
+    assert args.engine_config.max_waiting == 256 and args.engine_config.max_num_seqs == 8 and args.model_name == "x"
+    assert AppArgs(engine_config={"max_waiting": 5}).engine_config.max_waiting == 5
     with pytest.raises(ValueError):
         AppArgs(max_num_seqs=8)  # engine knobs live under `engine`, never copied onto AppArgs
 
