@@ -7,6 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "serve_app")
+FRONT_END_TEXT = ("engine.detokenizer", "engine.input_processor", "engine.output_processor", "engine.chat",
+                  "engine.tool_calls", "tokenizers")  # text in, text out: the front end's, never the core's
 TORCH_FREE = ("engine.scheduler", "engine.block_manager", "engine.sequence", "engine.sampling_params",
               "engine.config", "engine.errors", "engine.speculative", "engine.request_inbox", "engine.tool_calls")
 
@@ -93,3 +95,12 @@ def test_the_cores_bookkeeping_loads_no_torch():
 
 def test_the_torch_check_sees_torch_through_the_model_runner():
     assert "torch" in reachable(import_graph(at_import_only=True), "engine.model_runner")
+
+
+def test_the_core_reaches_none_of_the_front_ends_text_code_function_level_imports_included():
+    """The core process takes token ids and returns token ids: tokenizing, detokenizing and stop strings are the
+    front end's. Its one tokenizer, loaded through transformers, serves a grammar's vocabulary and the EOS ids."""
+    graph = import_graph(at_import_only=False)
+    for core in ("engine.core_process", "engine.llm_engine"):
+        assert not set(FRONT_END_TEXT) & reachable(graph, core), core
+    assert {"engine.output_processor", "tokenizers"} <= reachable(graph, "engine.async_engine")  # the check sees them
