@@ -1,5 +1,6 @@
-"""Where one decode step's time goes: linear layers, attention, other model ops, sampler, detokenizer, scheduler and
-the rest of the step, at a steady decode batch, for each model implementation in the same run.
+"""Where one decode step's time goes: in the core, linear layers, attention, other model ops, sampler, scheduler and the
+rest of its step; then the front end's output processing (detokenizing, stop strings), at a steady decode batch, for
+each model implementation in the same run. `llm.step()` is both: the core's step, then the front end's.
 
 Each phase is timed by wrapping its function with a clock (no profiler: its per-op overhead would swamp the small
 ops this is meant to show). python benchmarks/step_phases.py --batch 64 --context 200 --impls native,hf,gguf
@@ -29,7 +30,8 @@ from engine.config import EngineConfig
 from core_env import restart_as_served  # the sibling script
 
 cli = typer.Typer(add_completion=False)
-PHASES = ["linear", "attention", "one-call layers", "other model ops", "sampler", "detokenizer", "scheduler", "rest of step"]
+PHASES = ["core step", "linear", "attention", "one-call layers", "other model ops", "sampler", "scheduler",
+          "rest of core step", "front end: outputs", "of which detokenizer"]
 
 
 class PhaseClock:
@@ -54,7 +56,7 @@ def instrumented(llm: LLM, clock: PhaseClock):
     llm_engine = llm.engine
     targets = [(llm_engine.runner, "execute", "model"), (llm_engine, "sampler", "sampler"),
                (engine.detokenizer.IncrementalDetokenizer, "add", "detokenizer"),
-               (llm_engine.scheduler, "schedule", "scheduler")]
+               (llm_engine.scheduler, "schedule", "scheduler"), (llm.outputs, "process", "front end")]
     if not llm_engine.config.compile:  # a clock inside a compiled graph would break it
         targets += [(torch.nn.Linear, "forward", "linear"), (engine.layers.linear.Linear, "forward", "linear"),
                     (engine.models.llama, "paged_attention", "attention"),
@@ -99,11 +101,12 @@ def measure(impl: str, dtype: str, threads: int, batch: int, context: int, steps
             llm.step()
             total = time.perf_counter() - start
         s = clock.seconds
-        per_step.append({"step": total, "linear": s["linear"], "attention": s["attention"],
+        core = total - s["front end"]
+        per_step.append({"step": total, "core step": core, "linear": s["linear"], "attention": s["attention"],
                          "one-call layers": s["one-call layers"],
                          "other model ops": s["model"] - s["linear"] - s["attention"] - s["one-call layers"], "sampler": s["sampler"],
-                         "detokenizer": s["detokenizer"], "scheduler": s["scheduler"],
-                         "rest of step": total - s["model"] - s["sampler"] - s["detokenizer"] - s["scheduler"]})
+                         "scheduler": s["scheduler"], "rest of core step": core - s["model"] - s["sampler"] - s["scheduler"],
+                         "front end: outputs": s["front end"], "of which detokenizer": s["detokenizer"]})
     return {key: statistics.median(step[key] for step in per_step) * 1e3 for key in per_step[0]}
 
 

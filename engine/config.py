@@ -54,6 +54,10 @@ class EngineConfig(BaseModel):
 
     max_num_seqs: int = Field(default=128, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=1)
+    long_prefill_token_threshold: int | None = Field(default=None, ge=1, description=(
+        "the most prompt tokens one request computes in a step (vLLM's flag): a long prompt is spread over more, "
+        "shorter steps, so the streams decoding beside it wait less for their next token; None: up to "
+        "max_num_batched_tokens"))
     max_model_len: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = Field(default="auto", description=(

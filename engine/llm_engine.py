@@ -65,7 +65,8 @@ class LLMEngine:
                 and self.attention_backend == "triton" and config.quantization is None:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold)
         self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
                                   sorted(self.eos_token_ids))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
@@ -299,6 +300,7 @@ class LLMEngine:
             "enable_prefix_caching": self.block_manager.enable_prefix_caching,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "long_prefill_token_threshold": self.scheduler.long_prefill_token_threshold,
             "max_model_len": self.max_model_len,
             "decode_kernel": self.runner.decode_kernel is not None,
             "attention_backend": self.attention_backend,

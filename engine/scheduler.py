@@ -48,10 +48,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens  # one request's tokens in a step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; preemption takes from the end
         self.num_preemptions = 0
@@ -98,7 +101,9 @@ class Scheduler:
         return budget
 
     def _chunk_budget(self, seq: Sequence, budget: int) -> int:
-        """Prompts being scored (prompt logprobs) share `max_scored_tokens` a step (SCORED_SHARE says why)."""
+        """A request computes at most `max_chunk` tokens a step (long_prefill_token_threshold), and prompts being
+        scored (prompt logprobs) share `max_scored_tokens` a step (SCORED_SHARE says why)."""
+        budget = min(budget, self.max_chunk)
         return min(budget, self._scored_left) if _scoring_prompt(seq) else budget
 
     def _took(self, seq: Sequence, num_new: int) -> None:

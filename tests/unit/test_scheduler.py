@@ -14,10 +14,10 @@ class FakeEngine:
     """Drives the scheduler like LLMEngine.step does; the 'KV' of a slot is the token id computed into it."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, prefix_caching=True, drafts=0,
-                 wrong_draft_at=None):
+                 wrong_draft_at=None, long_prefill=None):
         self.drafts, self.wrong_draft_at = drafts, wrong_draft_at  # speculative drafts per step; where one goes wrong
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.bm, max_num_seqs, max_tokens_per_step)
+        self.scheduler = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, long_prefill)
         self.pool = [None] * (num_blocks * block_size)
         self.finished: list[Sequence] = []
 
@@ -79,6 +79,7 @@ class FakeEngine:
     def check_invariants(self, batch):
         sched, bm = self.scheduler, self.bm
         assert batch.num_tokens <= sched.max_num_batched_tokens
+        assert all(n - len(d) <= sched.max_chunk for n, d in zip(batch.num_new_tokens, batch.draft_token_ids))
         assert len(sched.running) <= sched.max_num_seqs
         owners = Counter(b for s in sched.running for b in s.block_table)
         for s in sched.running:
@@ -113,13 +114,14 @@ prompts = st.lists(st.integers(0, 3), min_size=1, max_size=40)  # a tiny vocabul
     budget=st.integers(8, 64),
     abort_at=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 11)), max_size=4),
     choices=st.integers(1, 3),
+    long_prefill=st.one_of(st.none(), st.integers(1, 24)),
 )
 def test_random_workloads_keep_every_invariant_and_finish(requests, num_blocks, block_size, max_num_seqs, budget, abort_at,
-                                                          choices):
+                                                          choices, long_prefill):
     """With `choices` > 1 every request also has siblings (n > 1), which copy their leader's partial prompt block:
-    assert_context_intact reads the copy back."""
+    assert_context_intact reads the copy back. With `long_prefill`, no request computes more tokens in a step."""
     budget = max(budget, block_size)
-    engine = FakeEngine(num_blocks, block_size, max_num_seqs, budget)
+    engine = FakeEngine(num_blocks, block_size, max_num_seqs, budget, long_prefill=long_prefill)
     capacity = num_blocks * block_size
     seqs = []
     for i, (p, m) in enumerate(requests):
@@ -323,3 +325,17 @@ def test_a_sibling_does_not_wait_for_a_preempted_leader():
     engine.scheduler.preempt(leader)  # back at the head of the queue, so it runs first anyway
     engine.step()
     assert leader.status is SequenceStatus.RUNNING
+
+
+def test_a_long_prompt_is_spread_over_steps_of_the_threshold_while_decodes_keep_their_token_a_step():
+    """long_prefill_token_threshold, as vLLM's: one request's tokens in a step are capped, so a 4k-token prompt is not
+    one 1,024-token step after another for the streams decoding beside it."""
+    engine = FakeEngine(num_blocks=256, block_size=16, max_num_seqs=8, max_tokens_per_step=1024, long_prefill=128)
+    decoding = engine.add("decoding", list(range(40)), max_tokens=50)
+    assert engine.step().num_new_tokens == [40]  # a short prompt is one chunk
+    long_prompt = engine.add("long", list(range(100, 600)), max_tokens=2)
+    steps = [dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens))
+             for batch in (engine.step() for _ in range(4))]
+    assert steps == [{"decoding": 1, "long": 128}] * 3 + [{"decoding": 1, "long": 500 - 3 * 128}]
+    engine.drain()
+    assert decoding.is_finished and long_prompt.is_finished
