@@ -167,9 +167,9 @@ class AsyncLLMEngine:
     # -- called from the core's thread ---------------------------------------------------------------
 
     def _dispatch(self, core_outputs: list[CoreOutput]) -> None:
-        outputs, stopped = self.outputs.process(core_outputs)
-        for request_id in stopped:
-            self.core.abort(request_id, "stop")
+        outputs, ended = self.outputs.process(core_outputs)
+        for request_id, reason in ended.items():
+            self.core.abort(request_id, reason)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
         for output in outputs:
             stream = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)

@@ -70,9 +70,9 @@ class LLM:
             raise
 
     def step(self) -> list[RequestOutput]:
-        outputs, stopped = self.outputs.process(self.engine.step())
-        for request_id in stopped:
-            self.engine.abort(request_id, "stop")
+        outputs, ended = self.outputs.process(self.engine.step())
+        for request_id, reason in ended.items():
+            self.engine.abort(request_id, reason)
         return outputs
 
     def abort(self, request_id: str) -> None:

@@ -79,10 +79,10 @@ class OutputProcessor:
         """A request the core never took."""
         self.requests.pop(request_id, None)
 
-    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """The step's outputs for readers, and the ids of requests a stop string ended, which the core must stop.
-        Outputs for requests already ended here are dropped."""
-        results, stopped = [], []
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
+        """The step's outputs for readers, and the requests ended here that the core must stop, with the reason to
+        end them with ("stop" for a stop string). Outputs for requests already ended here are dropped."""
+        results, ended = [], {}
         for out in outputs:
             request = self.requests.get(out.request_id)
             if request is None:
@@ -93,11 +93,11 @@ class OutputProcessor:
                 log.exception("post-processing of request %s failed", out.request_id)
                 reason, error = "abort", f"post-processing failed: {type(exc).__name__}"
             if reason is not None and out.finish_reason is None:
-                stopped.append(out.request_id)
+                ended[out.request_id] = reason
             if reason is not None:
                 del self.requests[out.request_id]
             results.append(self._output(out, request, reason, error))
-        return results, stopped
+        return results, ended
 
     def _append(self, request: RequestText, out: CoreOutput) -> tuple[str | None, str | None]:
         """Add the step's tokens to the text; the reason the request ended (here or in the core), and its error."""

@@ -38,8 +38,9 @@ class EngineReplica:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.frontend = AsyncLLMEngine(args.engine_config)
         self._token_texts = TokenTexts(load_tokenizer(args.engine_config))  # logprobs' token texts and echo, on the event loop
-        # a scored prompt's thousands of entries are formatted on the tokenizer thread, with a tokenizer of its own
-        self._scoring_texts = TokenTexts(load_tokenizer(args.engine_config))
+        # a scored prompt's thousands of entries are formatted on the tokenizer thread, with the tokenizer that thread
+        # already uses for prompts (the front end's input half is only ever called there with text)
+        self._scoring_texts = TokenTexts(self.frontend.inputs.tokenizer)
         self.frontend.warm_up()  # first-call costs stay out of user latency
         self.frontend.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.frontend.start()

@@ -38,7 +38,7 @@ def test_one_token_at_a_time_the_deltas_add_up_to_the_text_and_hold_no_broken_ch
     outputs = [processor.process([core([token])])[0][0] for token in tokens[:-1]]
     (last,), stopped = processor.process([core(tokens[-1:], "length")])
     outputs.append(last)
-    assert "".join(o.delta_text for o in outputs) == text == last.text and stopped == []
+    assert "".join(o.delta_text for o in outputs) == text == last.text and not stopped
     assert not any("\ufffd" in o.delta_text for o in outputs)
     assert last.token_ids == tokens and last.finished and "r" not in processor.requests
 
@@ -48,10 +48,10 @@ def test_a_stop_string_ends_the_request_here_cut_before_it_and_names_it_for_the_
     tokens = ids_of(tokenizer, "Hello world. STOP here and more")
     # one output with several tokens, as accepted drafts give: those after the stop string are not the reader's
     (out,), stopped = processor.process([core(tokens)])
-    assert out.finish_reason == "stop" and out.text == "Hello world. " and stopped == ["r"]
+    assert out.finish_reason == "stop" and out.text == "Hello world. " and stopped == {"r": "stop"}
     assert len(out.token_ids) < len(tokens) and tokenizer.decode(out.token_ids).startswith("Hello world. S")
     # the core's later outputs for it, up to its own end, reach nobody
-    assert processor.process([core(ids_of(tokenizer, " x")), core([], "stop")]) == ([], [])
+    assert processor.process([core(ids_of(tokenizer, " x")), core([], "stop")]) == ([], {})
 
 
 def test_text_that_could_still_become_a_stop_string_is_held_back_then_released(tokenizer):
@@ -59,7 +59,7 @@ def test_text_that_could_still_become_a_stop_string_is_held_back_then_released(t
     (first,), _ = processor.process([core(ids_of(tokenizer, "Hello ST"))])
     assert first.delta_text == "Hello"  # " ST" could start "STOP": 3 characters held
     (second,), stopped = processor.process([core(ids_of(tokenizer, "AY"))])
-    assert second.delta_text == " S" and stopped == []  # "TAY" could not, but 3 characters are always held
+    assert second.delta_text == " S" and not stopped  # "TAY" could not, but 3 characters are always held
     (last,), _ = processor.process([core([], "length")])
     assert first.delta_text + second.delta_text + last.delta_text == "Hello STAY" == last.text
 
@@ -68,7 +68,7 @@ def test_a_stop_string_before_min_tokens_does_not_end_the_request(tokenizer):
     tokens = ids_of(tokenizer, "STOP and then STOP")
     processor = start(tokenizer, stop=["STOP"], min_tokens=len(ids_of(tokenizer, "STOP")) + 1)
     (out,), stopped = processor.process([core(tokens)])
-    assert out.finish_reason == "stop" and out.text == "STOP and then " and stopped == ["r"]
+    assert out.finish_reason == "stop" and out.text == "STOP and then " and stopped == {"r": "stop"}
 
 
 def test_eos_ends_the_text_as_it_is_and_length_flushes_a_partial_character(tokenizer):
@@ -89,5 +89,17 @@ def test_an_id_in_flight_is_refused_until_forgotten_and_a_core_error_reaches_the
     processor.forget("r")
     processor.add(request)
     (out,), stopped = processor.process([core([], "abort", error="engine step failed: RuntimeError")])
-    assert out.error == "engine step failed: RuntimeError" and out.finish_reason == "abort" and stopped == []
+    assert out.error == "engine step failed: RuntimeError" and out.finish_reason == "abort" and not stopped
     assert processor.requests == {}
+
+
+def test_a_request_whose_text_fails_ends_alone_and_the_core_is_told_to_abort_it(tokenizer, monkeypatch):
+    processor = start(tokenizer, "bad")
+    processor.add(EngineRequest("good", [1, 2], SamplingParams(), 8, 0.0))
+    monkeypatch.setattr(processor.requests["bad"].detokenizer, "add", lambda token: 1 / 0)
+    tokens = ids_of(tokenizer, "fine")
+    (bad, good), ended = processor.process([core(tokens, request_id="bad"), core(tokens, request_id="good")])
+    assert (bad.finish_reason, bad.error) == ("abort", "post-processing failed: ZeroDivisionError")
+    assert ended == {"bad": "abort"}  # an error, not a stop string: the core ends it as one
+    assert good.error is None and good.text == "fine" and good.finish_reason is None
+    assert processor.process([core(tokens, request_id="bad")]) == ([], {})
