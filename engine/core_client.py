@@ -22,7 +22,8 @@ import zmq
 from engine.config import EngineConfig
 from engine.core_protocol import Deliver, OnDeath
 from engine.core_messages import CoreFailed, CoreInputs, CoreOutputs, CoreReady, CoreSetup, EngineRequest, FromCore
-from engine.errors import EngineDeadError, EngineInputError, EngineOverloadedError
+from engine.admission import check_admission
+from engine.errors import EngineDeadError
 from engine.host_memory import with_huge_page_heap
 from engine.metrics import MetricsSink, StepMetrics, replay
 from engine.step_recovery import step_problem
@@ -103,11 +104,8 @@ class ProcessCore:
     def add(self, request: EngineRequest) -> None:
         """Checks what only the core could otherwise: a duplicate id, a full queue (counting every request in
         flight not known to be running, so the core itself never has to refuse)."""
-        limit = self.config.max_waiting
-        if request.request_id in self._in_flight:
-            raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
-        if limit is not None and len(self._in_flight) - self._stats["num_running"] >= limit:
-            raise EngineOverloadedError(f"the engine queue is full ({limit} waiting requests)")
+        check_admission(request.request_id, self._in_flight, len(self._in_flight) - self._stats["num_running"],
+                        self.config.max_waiting)
         if not self._in_flight:
             self._last_progress = time.monotonic()  # the core was idle: the wait for a step starts now
         self._in_flight.add(request.request_id)

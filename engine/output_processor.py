@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.core_messages import CoreOutput, EngineRequest
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineInputError
+from engine.admission import check_admission
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestMetrics
 
@@ -64,8 +64,7 @@ class OutputProcessor:
 
     def add(self, request: EngineRequest) -> None:
         """Track a request before the core can answer for it; EngineInputError for an id already in flight."""
-        if request.request_id in self.requests:
-            raise EngineInputError(f"request id {request.request_id!r} is already in flight", "request_id")
+        check_admission(request.request_id, self.requests)
         params = request.params
         self.requests[request.request_id] = RequestText(
             prompt_token_ids=request.prompt_token_ids,

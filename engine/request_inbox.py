@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from engine.errors import EngineInputError, EngineOverloadedError
+from engine.admission import check_admission
 from engine.sequence import Sequence
 
 
@@ -21,11 +21,8 @@ class RequestInbox:
     def put(self, seq: Sequence, prompt_leader: str | None = None) -> None:
         """EngineInputError for an id already in flight, EngineOverloadedError past max_waiting."""
         with self._lock:
-            if seq.request_id in self._in_flight:
-                raise EngineInputError(f"request id {seq.request_id!r} is already in flight", "request_id")
+            check_admission(seq.request_id, self._in_flight, self.num_waiting, self.max_waiting)
             seq.prompt_leader = self._in_flight.get(prompt_leader) if prompt_leader is not None else None
-            if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-                raise EngineOverloadedError(f"the engine queue is full ({self.max_waiting} waiting requests)")
             self._in_flight[seq.request_id] = seq
             self._new.append(seq)
 
