@@ -8,7 +8,6 @@ import asyncio
 import logging
 import uuid
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
@@ -78,20 +77,17 @@ class AsyncLLMEngine:
         self.config = config = config.model_copy(update=overrides) if overrides else config
         self._streams: dict[str, RequestStream] = {}
         self.dead_reason: str | None = None
-        # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs';
-        # loaded while the core starts, as ProcessCore loaded its one before the split
-        with ThreadPoolExecutor(1, thread_name_prefix="load-tokenizers") as pool:
-            tokenizers = pool.submit(lambda: (load_tokenizer(config), load_tokenizer(config)))
-            self.core: EngineCore
-            if config.engine_process:
-                from engine.core_client import ProcessCore
+        # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs'
+        input_tokenizer, output_tokenizer = load_tokenizer(config), load_tokenizer(config)
+        self.core: EngineCore
+        if config.engine_process:
+            from engine.core_client import ProcessCore
 
-                self.core = ProcessCore(config, self._dispatch, self._die)
-            else:
-                from engine.core_thread import ThreadCore
+            self.core = ProcessCore(config, self._dispatch, self._die)
+        else:
+            from engine.core_thread import ThreadCore
 
-                self.core = ThreadCore(config, self._dispatch, self._die)
-            input_tokenizer, output_tokenizer = tokenizers.result()
+            self.core = ThreadCore(config, self._dispatch, self._die)
         limits = self.core.limits
         self.inputs = InputProcessor(config, input_tokenizer, limits, self.core.grammars)  # on callers' threads
         self.outputs = OutputProcessor(output_tokenizer, limits.eos_token_ids)  # on the thread that calls _dispatch
