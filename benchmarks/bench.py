@@ -56,7 +56,7 @@ def run_engine(requests: list[Request], model: str, dtype: str, threads: int, sc
     assert all(len(o.token_ids) == r.max_tokens for o, r in zip(outputs, requests))
     stats = llm.engine.stats()
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests),
-            "steps": stats["num_steps"], "preemptions": stats["num_preemptions"],
+            "steps": stats.num_steps, "preemptions": stats.num_preemptions,
             "metrics_share_of_step": llm.engine.metrics_share_of_step}
 
 

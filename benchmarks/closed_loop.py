@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
 from core_env import restart_as_served  # the sibling script
 from loadtest.prompts import load_prompts
 from serve_app.config import AppArgs
@@ -68,7 +67,7 @@ def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/con
     with tqdm(total=int(seconds), desc="closed loop", unit="s") as bar:
         while (elapsed := time.perf_counter() - start) < seconds:
             if at_warmup is None and elapsed >= warmup:
-                at_warmup = (elapsed, steps, done, engine.stats()["generation_tokens"])
+                at_warmup = (elapsed, steps, done, engine.stats().generation_tokens)
             done += loop.step()
             steps += 1
             if int(elapsed) > bar.n:
@@ -77,14 +76,13 @@ def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/con
     window = elapsed - at_warmup[0]
     print(f"threads {engine.config.resolved_num_threads()}, temperature {temperature}, "
           f"{window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
-          f"{(stats['generation_tokens'] - at_warmup[3]) / window:.0f} generated tok/s, "
+          f"{(stats.generation_tokens - at_warmup[3]) / window:.0f} generated tok/s, "
           f"{(steps - at_warmup[1]) / window:.2f} steps/s, {(done - at_warmup[2]) / window * 3600:,.0f} req/h, "
-          f"{(stats['prompt_tokens'] + stats['generation_tokens']) / steps:.0f} tokens/step")
-    phases = {phase: stats[PHASE_KEY.format(phase)] for phase in PHASES}
-    gc_seconds = sum(stats[GC_PAUSE_KEY.format(g)] for g in GENERATIONS)
-    print("step time by phase: " + ", ".join(f"{phase} {seconds / elapsed:.1%}" for phase, seconds in phases.items())
-          + f"; GC pauses {gc_seconds / elapsed:.2%} ({stats[GC_COLLECTIONS_KEY.format(2)]} full collections); "
-          f"resident {stats['resident_bytes'] / 2**20:,.0f} MiB")
+          f"{(stats.prompt_tokens + stats.generation_tokens) / steps:.0f} tokens/step")
+    gc_seconds = sum(stats.gc_pause_seconds.values())
+    print("step time by phase: " + ", ".join(f"{phase} {seconds / elapsed:.1%}" for phase, seconds in stats.step_seconds.items())
+          + f"; GC pauses {gc_seconds / elapsed:.2%} ({stats.gc_collections[2]} full collections); "
+          f"resident {stats.resident_bytes / 2**20:,.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def _start(llm, ids: list[str], work: list[list[int]], params) -> None:
     first_tokens = llm.engine.counters["generation_tokens"] + len(ids)
     for request_id, prompt in zip(ids, work):
         llm.add_request(request_id, prompt, params)
-    while llm.engine.counters["generation_tokens"] < first_tokens or llm.engine.stats()["num_waiting"]:
+    while llm.engine.counters["generation_tokens"] < first_tokens or llm.engine.stats().num_waiting:
         llm.step()
 
 

@@ -65,13 +65,13 @@ def measure(llm: LLM, requests: list[Request], concurrency: int, runs: int, igno
     before = llm.engine.stats()
     results = [closed_loop(llm, requests, concurrency, ignore_eos) for _ in range(runs)]
     after = llm.engine.stats()
-    proposed = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    proposed = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     return {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in results),
             "throughput_tok_s": statistics.median(r["tokens"] / r["wall_s"] for r in results),
             "runs_decode_tok_s": [round(r["decode_tok_s"], 1) for r in results],
             "acceptance": accepted / proposed if proposed else None,
-            "accepted_per_step": accepted / max(1, after["num_steps"] - before["num_steps"]),
+            "accepted_per_step": accepted / max(1, after.num_steps - before.num_steps),
             "outputs": results[-1]["outputs"]}
 
 

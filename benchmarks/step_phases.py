@@ -85,7 +85,7 @@ def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) 
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         llm.add_request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(context)], params)
-    while llm.engine.stats()["generation_tokens"] < batch:  # every prompt prefilled: only decodes from here
+    while llm.engine.stats().generation_tokens < batch:  # every prompt prefilled: only decodes from here
         if any(output.error for output in llm.step()):
             raise RuntimeError(f"{impl}: a step failed; see the engine's log")
     return llm

@@ -29,7 +29,7 @@ def main(threads: int = 1, users: int = 48, warmup_steps: int = 50, steps: int =
         if step >= warmup_steps:
             times.append(time.perf_counter() - start)
     stats = engine.stats()
-    tokens = (stats["prompt_tokens"] + stats["generation_tokens"]) / (warmup_steps + steps)
+    tokens = (stats.prompt_tokens + stats.generation_tokens) / (warmup_steps + steps)
     print(f"threads {threads}: median step {statistics.median(times) * 1e3:.1f} ms, {tokens:.0f} tokens/step")
     print(f"sampler, {users} rows x {engine.vocab_size} vocab: median {sampler_ms(users, engine.vocab_size):.1f} ms")
 

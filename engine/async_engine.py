@@ -10,6 +10,7 @@ import uuid
 from collections import defaultdict
 from typing import Any, AsyncIterator
 
+from engine.engine_stats import EngineStats
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput
 from engine.core_protocol import EngineCore
@@ -157,7 +158,7 @@ class AsyncLLMEngine:
         """Requests whose outputs this engine still delivers: running, waiting or just added. No core round trip."""
         return len(self._streams)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def shutdown(self, timeout: float = 5.0) -> None:

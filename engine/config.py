@@ -79,8 +79,9 @@ class EngineConfig(BaseModel):
     step_timeout_s: float = Field(default=120.0, gt=0, description="one step running longer than this is a hung engine")
     trust_remote_code: bool = False
     engine_process: bool = Field(default=False, description=(
-        "AsyncLLMEngine runs the core (scheduler, model, sampler) in a child process with its own interpreter lock, "
-        "as vLLM's v1 does; False: on a thread of the caller's process (tests, offline use)"))
+        "AsyncLLMEngine and LLM run the core (scheduler, model, sampler) in a child process with its own interpreter "
+        "lock, as vLLM's v1 does; False: in the caller's process (AsyncLLMEngine on a thread of its own, LLM on the "
+        "calling thread)"))
     speculative: SpeculativeConfig | None = Field(default=None, description="n-gram speculative decoding; None: off")
 
     @model_validator(mode="after")

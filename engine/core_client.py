@@ -14,11 +14,11 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
 
 import msgspec
 import zmq
 
+from engine.engine_stats import EngineStats
 from engine.config import EngineConfig
 from engine.core_protocol import Deliver, OnDeath
 from engine.core_messages import CoreFailed, CoreInputs, CoreOutputs, CoreReady, CoreSetup, EngineRequest, FromCore
@@ -104,7 +104,7 @@ class ProcessCore:
     def add(self, request: EngineRequest) -> None:
         """Checks what only the core could otherwise: a duplicate id, a full queue (counting every request in
         flight not known to be running, so the core itself never has to refuse)."""
-        check_admission(request.request_id, self._in_flight, len(self._in_flight) - self._stats["num_running"],
+        check_admission(request.request_id, self._in_flight, len(self._in_flight) - self._stats.num_running,
                         self.config.max_waiting)
         if not self._in_flight:
             self._last_progress = time.monotonic()  # the core was idle: the wait for a step starts now
@@ -123,8 +123,8 @@ class ProcessCore:
         self._metrics_sink = metrics.sink
         self._send(CoreInputs(metrics_model_name=metrics.model_name))
 
-    def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+    def stats(self) -> EngineStats:
+        return self._stats
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight)
@@ -137,7 +137,7 @@ class ProcessCore:
             return f"the engine core process exited with code {self.process.returncode}"
         waited = time.monotonic() - self._last_progress if self._in_flight else None
         return step_problem(self.config, waited, "with requests in flight, no engine step finished in",
-                            self._stats.get("consecutive_failed_steps", 0))
+                            self._stats.consecutive_failed_steps)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._closing:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.engine_stats import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestMetrics
 
@@ -65,7 +66,7 @@ class CoreOutputs(msgspec.Struct, tag=True):
     """Core -> front end, after every step: outputs, the engine's stats and the metric updates of that step."""
 
     outputs: list[CoreOutput]
-    stats: dict[str, int | float]
+    stats: EngineStats
     metric_updates: list[MetricUpdate] = []
 
 
@@ -74,7 +75,7 @@ class CoreReady(msgspec.Struct, tag=True):
 
     limits: ModelLimits
     settings: dict[str, str | int | float | bool | None]
-    stats: dict[str, int | float]
+    stats: EngineStats
 
 
 class CoreFailed(msgspec.Struct, tag=True):

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import zmq
 
+from engine.engine_stats import EngineStats
 from engine.config import EngineConfig
 from engine.core_messages import CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest
 from engine.errors import EngineOverloadedError
@@ -144,9 +145,11 @@ class CoreLoop:
             self.refused.append(CoreOutput(request.request_id, [], RequestMetrics(request.arrival_time),
                                            "abort", f"the engine refused the request: {reason}"))
 
-    def stats(self) -> dict[str, float]:
-        return {**self.engine.stats(), "metrics_share_of_step": self.engine.metrics_share_of_step,
-                "loop_threads": self.loop_threads, "core_pid": os.getpid()}
+    def stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        stats.metrics_share_of_step, stats.loop_threads = self.engine.metrics_share_of_step, self.loop_threads
+        stats.core_pid = os.getpid()
+        return stats
 
     def _send(self, outputs: list[CoreOutput]) -> None:
         updates = self.metrics_sink.take() if self.metrics_sink is not None else []

@@ -1,5 +1,6 @@
-"""What the front end asks of an engine core, wherever the core runs. ThreadCore (a thread of this process) and
-ProcessCore (a child process over ZMQ) both implement it; AsyncLLMEngine holds one and never asks which."""
+"""What the front end asks of an engine core, wherever the core runs. InlineCore (stepped on its caller's thread),
+ThreadCore (a thread of this process) and ProcessCore (a child process over ZMQ) implement it; AsyncLLMEngine and the
+offline LLM each hold one and ask which only to know whether to step it themselves (the LLM, an inline core)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
+    from engine.engine_stats import EngineStats
     from engine.metrics import StepMetrics
     from engine.structured_output import GrammarCompiler
 
@@ -34,7 +36,7 @@ class EngineCore(Protocol):
 
     def attach_metrics(self, metrics: StepMetrics) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats: ...
 
     def has_unfinished_requests(self) -> bool: ...
 

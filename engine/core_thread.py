@@ -1,41 +1,28 @@
 """The engine core on a background thread of the calling process: the in-process mode (tests, benchmarks, one
-process for everything). An EngineCore (core_protocol.py), as ProcessCore is."""
+process for everything). The inline core (core_inline.py) with a thread that steps it; an EngineCore
+(core_protocol.py), as ProcessCore is."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any
 
 from engine.config import EngineConfig
+from engine.core_inline import InlineCore
 from engine.core_messages import EngineRequest
 from engine.core_protocol import Deliver, OnDeath
-from engine.llm_engine import LLMEngine
-from engine.metrics import StepMetrics
 from engine.step_recovery import step_problem
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
 
 
-class ThreadCore:
+class ThreadCore(InlineCore):
     def __init__(self, config: EngineConfig, deliver: Deliver, on_death: OnDeath):
-        self.engine = LLMEngine(config)
-        self.config = config
-        self.grammars = self.engine.grammars
-        self.limits = self.engine.limits
-        self.settings = self.engine.settings()
-        self._deliver = deliver
-        self._on_death = on_death
+        super().__init__(config, deliver, on_death)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.dead_reason: str | None = None
-        self.loop_threads = 0  # torch threads as seen from the step loop's own thread
-
-    def warm_up(self) -> None:
-        """On the caller's thread, before the loop starts."""
-        self.engine.warm_up()
 
     def start(self) -> None:
         if self._thread is None:
@@ -43,22 +30,12 @@ class ThreadCore:
             self._thread.start()
 
     def add(self, request: EngineRequest) -> None:
-        self.engine.add_request(request)
+        super().add(request)
         self._wake.set()
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        self.engine.abort(request_id, reason)
+        super().abort(request_id, reason)
         self._wake.set()
-
-    def attach_metrics(self, metrics: StepMetrics) -> None:
-        self.engine.attach_metrics(metrics)
-
-    def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "loop_threads": self.loop_threads,
-                "metrics_share_of_step": self.engine.metrics_share_of_step}
-
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests()
 
     def health_problem(self) -> str | None:
         """Why this engine should be replaced, or None: a dead loop, K steps in a row in which no request could
@@ -83,7 +60,7 @@ class ThreadCore:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                self._deliver(self.engine.step())
+                self.step()
         except BaseException as exc:  # step() contains per-request failures; reaching here means the engine is broken
             log.exception("engine loop died")
             self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"

@@ -1,16 +1,22 @@
 """LLM: the offline API, generate or chat for a list of prompts and return when all are done. The front end's two
-halves (input_processor.py, output_processor.py) around an engine core (LLMEngine), all on the calling thread."""
+halves (input_processor.py, output_processor.py) around an EngineCore (core_protocol.py): by default the inline core,
+stepped on the calling thread; with `engine_process`, the core process, whose steps arrive on its receiver thread."""
 from __future__ import annotations
 
+import queue
 import uuid
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.errors import EngineInputError
+from engine.core_inline import InlineCore
+from engine.core_messages import CoreOutput
+from engine.core_protocol import EngineCore
+from engine.errors import EngineDeadError, EngineInputError
 from engine.input_processor import InputProcessor, Messages, Prompt
 from engine.llm_engine import LLMEngine
+from engine.models import load_tokenizer
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -22,10 +28,24 @@ class LLM:
             config = EngineConfig(**({"model": model} if model else {}), **kwargs)
         elif model or kwargs:
             raise TypeError("give LLM either a config or the fields of one, not both")
-        self.engine = LLMEngine(config)
-        tokenizer = self.engine.tokenizer  # one thread uses it: this one
-        self.inputs = InputProcessor(config, tokenizer, self.engine.limits, self.engine.grammars)
-        self.outputs = OutputProcessor(tokenizer, self.engine.limits.eos_token_ids)
+        self._delivered: queue.SimpleQueue[list[CoreOutput] | EngineDeadError] = queue.SimpleQueue()
+        self.core: EngineCore
+        if config.engine_process:
+            from engine.core_client import ProcessCore
+
+            self.core = ProcessCore(config, self._delivered.put, self._die)
+            tokenizer = load_tokenizer(config)
+        else:
+            self.core = InlineCore(config, self._delivered.put, self._die)
+            tokenizer = self.core.engine.tokenizer  # the core runs on this thread too: one tokenizer serves both
+        self.inputs = InputProcessor(config, tokenizer, self.core.limits, self.core.grammars)
+        self.outputs = OutputProcessor(tokenizer, self.core.limits.eos_token_ids)
+        self.core.start()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The inline core's engine, whose parts tests and benchmarks read (not there with a core process)."""
+        return self.core.engine
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -64,19 +84,43 @@ class LLM:
                                       prompt_leader=prompt_leader)
         self.outputs.add(request)
         try:
-            self.engine.add_request(request)
+            self.core.add(request)
         except BaseException:
             self.outputs.forget(request_id)
             raise
 
     def step(self) -> list[RequestOutput]:
-        outputs, ended = self.outputs.process(self.engine.step())
+        """One engine step's outputs: the inline core steps here; a core process's next step is waited for."""
+        if isinstance(self.core, InlineCore):
+            self.core.step()
+        outputs, ended = self.outputs.process(self._take_delivered(wait=not isinstance(self.core, InlineCore)))
         for request_id, reason in ended.items():
-            self.engine.abort(request_id, reason)
+            self.core.abort(request_id, reason)
         return outputs
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """Requests the front end still reports on, or the core still holds (one ended here on a stop string)."""
+        return bool(self.outputs.requests) or self.core.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    def _take_delivered(self, wait: bool) -> list[CoreOutput]:
+        taken: list[CoreOutput] = []
+        try:
+            item = self._delivered.get(timeout=self.core.config.step_timeout_s) if wait else self._delivered.get_nowait()
+            while True:
+                if isinstance(item, EngineDeadError):
+                    raise item
+                taken.extend(item)
+                item = self._delivered.get_nowait()
+        except queue.Empty:
+            if wait and not taken:
+                raise EngineDeadError(f"no engine step finished in {self.core.config.step_timeout_s:g} s") from None
+        return taken
+
+    def _die(self, reason: str) -> None:
+        self._delivered.put(EngineDeadError(reason))

@@ -15,6 +15,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
 from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
+from engine.engine_stats import EngineStats
 from engine.host_memory import keep_freed_memory
 from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
@@ -25,7 +26,6 @@ from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
-from engine.speculative import COUNTERS as SPEC_COUNTERS
 from engine.speculative import Speculator, accepted_length
 from engine.step_recovery import retry_in_groups
 from engine.step_sampler import StepSampler
@@ -308,20 +308,14 @@ class LLMEngine:
             "device": self.device.type,
         }
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": self.inbox.num_waiting,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_free": bm.num_free_blocks,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "prefix_cache_evictions": bm.prefix_cache_evictions,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "consecutive_failed_steps": self.consecutive_failed_steps,
-            **self.counters,
-            **(self.speculator.counters if self.speculator is not None else dict.fromkeys(SPEC_COUNTERS, 0)),
-            **stats_of(self.phases, self.gc_pauses),
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=self.inbox.num_waiting,
+            kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_evictions=bm.prefix_cache_evictions, num_preemptions=self.scheduler.num_preemptions,
+            consecutive_failed_steps=self.consecutive_failed_steps,
+            **self.counters, **(self.speculator.counters if self.speculator is not None else {}),
+            **stats_of(self.phases, self.gc_pauses))
 

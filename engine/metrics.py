@@ -6,12 +6,14 @@ both sinks export them with a `_total` suffix.
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Callable, Literal, Protocol
 
 from engine.core_messages import MetricUpdate
-from engine.step_stats import GC_COLLECTIONS_KEY, GC_PAUSE_KEY, GENERATIONS, PHASE_KEY, PHASES
+from engine.engine_stats import EngineStats
+from engine.step_stats import GENERATIONS, PHASES
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -62,18 +64,19 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_gc_pause_seconds", "counter", "Time the garbage collector paused the process", ("generation",)),
     Metric("engine_resident_memory_bytes", "gauge", "Resident memory of the engine's process"),
 ]}
-# counter -> the key of LLMEngine.stats() that holds its running total
+# counter -> the EngineStats field that holds its running total
 COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_tokens": "generation_tokens",
                    "engine_prefix_cache_queries": "prefix_cache_queries", "engine_prefix_cache_hits": "prefix_cache_hits",
                    "engine_num_preemptions": "num_preemptions", "engine_steps": "num_steps",
                    "engine_spec_decode_num_drafts": "spec_drafts", "engine_spec_decode_num_draft_tokens": "spec_draft_tokens",
                    "engine_spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
-# labelled counter -> (its label, {label value: the key of LLMEngine.stats() that holds its running total})
+# labelled counter -> (its label, the EngineStats field holding the running totals by label value, the values)
 LABELLED_COUNTER_SOURCES = {
-    "engine_step_phase_seconds": ("phase", {phase: PHASE_KEY.format(phase) for phase in PHASES}),
-    "engine_gc_collections": ("generation", {str(g): GC_COLLECTIONS_KEY.format(g) for g in GENERATIONS}),
-    "engine_gc_pause_seconds": ("generation", {str(g): GC_PAUSE_KEY.format(g) for g in GENERATIONS}),
+    "engine_step_phase_seconds": ("phase", "step_seconds", PHASES),
+    "engine_gc_collections": ("generation", "gc_collections", GENERATIONS),
+    "engine_gc_pause_seconds": ("generation", "gc_pause_seconds", GENERATIONS),
 }
+Reading = Callable[[EngineStats], float]
 
 
 class MetricsSink(Protocol):
@@ -152,14 +155,15 @@ class StepMetrics:
     e2e: list[float] = field(default_factory=list)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     update_seconds: float = 0.0  # time spent flushing, to show it stays a small share of the step
-    _reported: dict[str, float] = field(default_factory=dict)  # by stats() key
-    _counters: list[tuple[str, str, dict[str, str]]] = field(init=False)
+    _counters: list[tuple[str, Reading, dict[str, str]]] = field(init=False)
+    _reported: list[float] = field(init=False)  # each counter's total at its last flush
 
     def __post_init__(self) -> None:
         self._counters = _counters({"model_name": self.model_name})  # built once, not in every step's flush
+        self._reported = [0.0] * len(self._counters)
 
-    def start_from(self, stats: dict[str, float]) -> None:
-        self._reported = {key: stats[key] for _, key, _ in self._counters}
+    def start_from(self, stats: EngineStats) -> None:
+        self._reported = [read(stats) for _, read, _ in self._counters]
 
     def token(self, arrival: float, first_scheduled: float | None, previous_token: float | None, now: float) -> None:
         if previous_token is None:
@@ -172,21 +176,20 @@ class StepMetrics:
         self.e2e.append(now - arrival)
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
 
-    def flush(self, stats: dict[str, float], step_tokens: int) -> None:
+    def flush(self, stats: EngineStats, step_tokens: int) -> None:
         start = time.perf_counter()
         base = {"model_name": self.model_name}
         sink = self.sink
-        sink.set("engine_num_requests_running", stats["num_running"], base)
-        sink.set("engine_num_requests_waiting", stats["num_waiting"], base)
-        sink.set("engine_kv_cache_usage_ratio", 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"], base)
-        sink.set("engine_kv_cache_blocks", stats["kv_blocks_total"], base)  # what the memory profile chose
-        sink.set("engine_resident_memory_bytes", stats["resident_bytes"], base)
-        for name, key, labels in self._counters:
-            total = stats[key]
-            delta = total - self._reported.get(key, 0)
-            if delta:
-                sink.inc(name, delta, labels)
-                self._reported[key] = total
+        sink.set("engine_num_requests_running", stats.num_running, base)
+        sink.set("engine_num_requests_waiting", stats.num_waiting, base)
+        sink.set("engine_kv_cache_usage_ratio", stats.kv_usage, base)
+        sink.set("engine_kv_cache_blocks", stats.kv_blocks_total, base)  # what the memory profile chose
+        sink.set("engine_resident_memory_bytes", stats.resident_bytes, base)
+        for i, (name, read, labels) in enumerate(self._counters):
+            total = read(stats)
+            if total != self._reported[i]:
+                sink.inc(name, total - self._reported[i], labels)
+                self._reported[i] = total
         for reason, count in self.finish_reasons.items():
             sink.inc("engine_request_success", count, {**base, "finish_reason": reason})
         for name, values in (("engine_time_to_first_token_seconds", self.ttft), ("engine_inter_token_latency_seconds", self.itl),
@@ -199,8 +202,12 @@ class StepMetrics:
         self.update_seconds += time.perf_counter() - start
 
 
-def _counters(base: dict[str, str]) -> list[tuple[str, str, dict[str, str]]]:
-    """(metric name, stats() key, labels) of every counter, a labelled one once per label value."""
-    return [*((name, key, base) for name, key in COUNTER_SOURCES.items()),
-            *((name, key, {**base, label: value}) for name, (label, keys) in LABELLED_COUNTER_SOURCES.items()
-              for value, key in keys.items())]
+def _counters(base: dict[str, str]) -> list[tuple[str, Reading, dict[str, str]]]:
+    """(metric name, how to read its running total, labels) of every counter, a labelled one once per label value."""
+    return [*((name, operator.attrgetter(source), base) for name, source in COUNTER_SOURCES.items()),
+            *((name, _by_label(source, value), {**base, label: str(value)})
+              for name, (label, source, values) in LABELLED_COUNTER_SOURCES.items() for value in values)]
+
+
+def _by_label(source: str, value: str | int) -> Reading:
+    return lambda stats: getattr(stats, source).get(value, 0)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 TOKEN_BYTES = array("i").itemsize
-COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")  # keys of LLMEngine.stats()
+COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")  # fields of EngineStats
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int, window: int) -> list[int]:

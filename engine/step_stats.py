@@ -1,4 +1,4 @@
-"""What the step loop costs, for `LLMEngine.stats()` and the metrics: seconds by phase of the step, garbage-collector
+"""What the step loop costs, for `EngineStats` and the metrics: seconds by phase of the step, garbage-collector
 pauses, and the process's resident memory. A slow drift in any of them shows on the per-replica dashboard."""
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import weakref
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 DEVICE_PHASES = ("prepare", "forward", "sample")  # the ones that queue device work
 GENERATIONS = (0, 1, 2)
-# the keys of LLMEngine.stats() that `stats_of` fills, by phase or generation
-PHASE_KEY, GC_COLLECTIONS_KEY, GC_PAUSE_KEY = "step_seconds_{}", "gc_collections_gen{}", "gc_pause_seconds_gen{}"
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -93,12 +91,10 @@ def freeze_gc_heap() -> None:
     gc.freeze()
 
 
-def stats_of(phases: PhaseTimer, gc_pauses: GcPauses) -> dict[str, float]:
-    """Their running totals and the resident memory, as `LLMEngine.stats()` entries."""
-    return {**{PHASE_KEY.format(p): t for p, t in phases.seconds.items()},
-            **{GC_COLLECTIONS_KEY.format(g): n for g, n in gc_pauses.collections.items()},
-            **{GC_PAUSE_KEY.format(g): t for g, t in gc_pauses.seconds.items()},
-            "resident_bytes": resident_bytes()}
+def stats_of(phases: PhaseTimer, gc_pauses: GcPauses) -> dict[str, object]:
+    """Their running totals and the resident memory, as `EngineStats` fields."""
+    return {"step_seconds": dict(phases.seconds), "gc_collections": dict(gc_pauses.collections),
+            "gc_pause_seconds": dict(gc_pauses.seconds), "resident_bytes": resident_bytes()}
 
 
 def _alive() -> bool:

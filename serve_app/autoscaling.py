@@ -10,8 +10,12 @@ import collections
 import logging
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from engine.engine_stats import EngineStats
 
 log = logging.getLogger("ray.serve")  # the policy runs in Serve's controller: its log is where operators look
 
@@ -109,12 +113,12 @@ class ReplicaSignals:
     def first_token(self, seconds: float) -> None:
         self.first_tokens.append((self.clock(), seconds))
 
-    def report(self, stats: dict) -> dict[str, float]:
+    def report(self, stats: EngineStats) -> dict[str, float]:
         now = self.clock()
-        count = float(stats["num_preemptions"])
+        count = float(stats.num_preemptions)
         since, before = self.last_preemptions or (now, count)
         self.last_preemptions = (now, count)
         recent = sorted(s for at, s in self.first_tokens if now - at <= TTFT_WINDOW_S)
-        return {"kv_usage": 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"], "waiting": float(stats["num_waiting"]),
+        return {"kv_usage": stats.kv_usage, "waiting": float(stats.num_waiting),
                 "preemptions_per_s": (count - before) / (now - since) if now > since else 0.0,
                 "ttft_p90_s": recent[min(len(recent) - 1, int(0.9 * len(recent)))] if recent else 0.0}

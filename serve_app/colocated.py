@@ -10,6 +10,7 @@ from serve_app.config import AppArgs
 from serve_app.ingress import Ingress, refuse_exposure
 from serve_app.replica import EngineReplica
 from serve_app.replica_client import LocalReplica
+from serve_app.protocol import ReplicaStats
 
 
 class ColocatedIngress(Ingress):
@@ -24,7 +25,7 @@ class ColocatedIngress(Ingress):
     async def check_health(self) -> None:
         await self.engine_replica.check_health()
 
-    def stats(self) -> dict:
+    def stats(self) -> ReplicaStats:
         """What the split topology's EngineReplica.stats() answers, for operators' and tests' handles."""
         return self.engine_replica.stats()
 

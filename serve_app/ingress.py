@@ -61,9 +61,9 @@ class Ingress:
             stats = await asyncio.wait_for(self.replica.stats(), HEALTH_TIMEOUT_S)
         except Exception as exc:
             raise OpenAIError(503, f"no ready engine replica ({type(exc).__name__})", retry_after_s=self.args.retry_after_s)
-        if stats.get("health_problem"):
+        if stats.health_problem:
             raise OpenAIError(503, "the engine is unhealthy", retry_after_s=self.args.retry_after_s)
-        return {"status": "ok", "num_running": stats["num_running"], "num_waiting": stats["num_waiting"]}
+        return {"status": "ok", "num_running": stats.engine.num_running, "num_waiting": stats.engine.num_waiting}
 
     async def models(self) -> dict:
         info = await self._info()

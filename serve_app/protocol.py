@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import SamplingParams
+from engine.engine_stats import EngineStats
 
 
 @dataclass
@@ -54,3 +55,22 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: every choice's, on the request's first delta
+
+
+@dataclass
+class Placement:
+    """Where a replica runs."""
+
+    replica_id: str
+    node_id: str
+    gpu_ids: list[str]
+
+
+@dataclass
+class ReplicaStats:
+    """What an engine replica answers to `stats()`: its engine's stats, where it runs and whether it is healthy."""
+
+    engine: EngineStats
+    placement: Placement
+    time: float  # when it was read (the replica's clock)
+    health_problem: str | None = None

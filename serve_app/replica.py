@@ -19,7 +19,7 @@ from engine.metrics import StepMetrics
 from engine.step_stats import freeze_gc_heap
 from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
-from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, TokenLogprob
+from serve_app.protocol import Admitted, Delta, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob
 from serve_app.metrics import RaySink
 
 log = logging.getLogger("ray.serve")
@@ -47,9 +47,8 @@ class EngineReplica:
         self.signals = ReplicaSignals()  # what the engine-signal autoscaling policy reads (serve_app/autoscaling.py)
         self.model_info = {"max_model_len": self.frontend.max_model_len, "model": args.model_name,
                            "engine": self.frontend.settings}
-        self.placement = {"replica_id": serve.get_replica_context().replica_id.unique_id,
-                          "node_id": ray.get_runtime_context().get_node_id(),
-                          "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        self.placement = Placement(serve.get_replica_context().replica_id.unique_id,
+                                   ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()])
         freeze_gc_heap()
 
     @serve.batch(max_batch_size=ADMISSION_BATCH_SIZE, batch_wait_timeout_s=ADMISSION_WAIT_S)
@@ -150,9 +149,8 @@ class EngineReplica:
         return [TokenLogprob(text, None, raw), *(_token_logprob(texts, token, entry, top)
                          for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
 
-    def stats(self) -> dict:
-        return {**self.frontend.stats(), **self.placement, "time": time.time(),
-                "health_problem": self.frontend.health_problem()}
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(self.frontend.stats(), self.placement, time.time(), self.frontend.health_problem())
 
     def info(self) -> dict:
         return self.model_info

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.protocol import GenerationJob
+from serve_app.protocol import GenerationJob, ReplicaStats
 
 if TYPE_CHECKING:
     from serve_app.replica import EngineReplica
@@ -24,7 +24,7 @@ class ReplicaStream(Protocol):
 
 
 class ReplicaClient(Protocol):
-    async def stats(self) -> dict: ...
+    async def stats(self) -> ReplicaStats: ...
 
     async def info(self) -> dict: ...
 
@@ -37,7 +37,7 @@ class RemoteReplica:
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle
 
-    async def stats(self) -> dict:
+    async def stats(self) -> ReplicaStats:
         return await self.handle.stats.remote()
 
     async def info(self) -> dict:
@@ -54,7 +54,7 @@ class LocalReplica:
         self.replica = replica
         self._closing: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
 
-    async def stats(self) -> dict:
+    async def stats(self) -> ReplicaStats:
         return self.replica.stats()
 
     async def info(self) -> dict:

@@ -12,6 +12,7 @@ import os
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import asyncio
+import dataclasses
 import json
 import signal
 import socket
@@ -147,19 +148,19 @@ def check_placement(head_id: str, worker_ids: set[str]) -> list[dict]:
     while len(seen) < 4:
         assert time.monotonic() < deadline, f"saw only {len(seen)} replicas through the handle"
         stats = handle.stats.remote().result(timeout_s=30)
-        seen[stats["replica_id"]] = {"node_id": stats["node_id"], "gpu_ids": stats["gpu_ids"]}
-    slots = [(p["node_id"], g) for p in seen.values() for g in p["gpu_ids"]]
-    assert all(len(p["gpu_ids"]) == 1 for p in seen.values()), seen
+        seen[stats.placement.replica_id] = stats.placement
+    slots = [(p.node_id, g) for p in seen.values() for g in p.gpu_ids]
+    assert all(len(p.gpu_ids) == 1 for p in seen.values()), seen
     assert len(set(slots)) == 4, f"a GPU is shared: {seen}"
-    assert {p["node_id"] for p in seen.values()} == worker_ids, f"replicas not on the two GPU workers: {seen}"
+    assert {p.node_id for p in seen.values()} == worker_ids, f"replicas not on the two GPU workers: {seen}"
 
     actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)]
     engine_nodes = [a.node_id for a in actors if REPLICA_CLASS in a.class_name]
-    assert sorted(engine_nodes) == sorted(p["node_id"] for p in seen.values()), (engine_nodes, seen)
+    assert sorted(engine_nodes) == sorted(p.node_id for p in seen.values()), (engine_nodes, seen)
     ingress_nodes = {a.node_id for a in actors if "Ingress" in a.class_name}
     proxy_nodes = {a.node_id for a in actors if "ProxyActor" in a.class_name}
     assert ingress_nodes == {head_id} and proxy_nodes == {head_id}, (ingress_nodes, proxy_nodes)
-    return list(seen.values())
+    return [dataclasses.asdict(p) for p in seen.values()]
 
 
 def check_node_loss(results: list[dict], removed_at: float) -> dict:

@@ -59,7 +59,7 @@ async def test_closing_the_stream_aborts_and_frees_blocks(engine):
     await anext(stream)
     await stream.aclose()
     stats = await wait_idle(engine)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0
 
 
 async def test_cancelling_the_consumer_aborts_the_request(engine):
@@ -73,7 +73,7 @@ async def test_cancelling_the_consumer_aborts_the_request(engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     stats = await wait_idle(engine)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 async def test_abort_by_id_ends_the_stream_with_abort(engine):
@@ -149,7 +149,7 @@ async def test_the_step_loop_thread_uses_the_configured_threads(engine, monkeypa
 
     outs = [o async for o in engine.generate(CHAT, SamplingParams(max_tokens=2), "threads-1")]
     assert outs[-1].finished
-    assert engine.stats()["loop_threads"] == nproc()
+    assert engine.stats().loop_threads == nproc()
 
 
 async def test_a_stop_string_split_across_tokens_never_leaks_into_a_delta(engine):

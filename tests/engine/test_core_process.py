@@ -66,6 +66,26 @@ async def test_a_core_process_gives_the_in_process_engines_outputs(core, llm32):
     assert [sorted(e) for e in first.prompt_logprobs[1:]] == [sorted(e) for e in want.prompt_logprobs[1:]]
 
 
+def test_the_offline_llm_over_a_core_process_gives_the_inline_cores_outputs(llm32):
+    """LLM holds an EngineCore like AsyncLLMEngine: with engine_process it waits for the core's steps instead of
+    stepping an inline core, and a stop string ended in its front end still frees the request in the core."""
+    from engine import LLM
+
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=20, temperature=0.0, stop=[" the"], logprobs=1)]
+    expected = llm32.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert expected[2].finish_reason == "stop"
+    llm = LLM(**CONFIG)
+    try:
+        got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+            [(o.token_ids, o.text, o.finish_reason) for o in expected]
+        assert not llm.has_unfinished_requests() and llm.core.stats().idle, llm.core.stats()
+    finally:
+        llm.shutdown()
+
+
 async def test_the_cores_step_metrics_reach_the_parents_sink(core):
     sink = PrometheusSink()
     core.attach_metrics(StepMetrics(sink, "core-test"))
@@ -88,7 +108,7 @@ async def test_the_cores_step_metrics_reach_the_parents_sink(core):
         await asyncio.sleep(0.05)
     assert sink.registry.get_sample_value("engine_request_success_total", {**sample, "finish_reason": "stop"}) == 1
     assert sink.registry.get_sample_value("engine_request_success_total", {**sample, "finish_reason": "abort"}) is None
-    assert core.stats()["kv_blocks_free"] == core.stats()["kv_blocks_total"]
+    assert core.stats().kv_blocks_free == core.stats().kv_blocks_total
 
 
 async def test_a_killed_core_fails_the_requests_in_flight_and_says_so_in_health():
@@ -96,7 +116,7 @@ async def test_a_killed_core_fails_the_requests_in_flight_and_says_so_in_health(
     try:
         stream = engine.add_request("victim", "Tell me a story", SamplingParams(max_tokens=500, ignore_eos=True))
         await anext(stream)
-        pid = engine.stats()["core_pid"]
+        pid = engine.stats().core_pid
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="exited"):
@@ -116,7 +136,7 @@ def test_the_core_dies_with_its_parent(tmp_path):
         import time
         from engine import AsyncLLMEngine
         engine = AsyncLLMEngine(**{CONFIG!r})
-        print(engine.stats()["core_pid"], flush=True)
+        print(engine.stats().core_pid, flush=True)
         time.sleep(600)
     """)
     socket_dirs = lambda: set(Path(tempfile.gettempdir()).glob("engine-core-*"))  # noqa: E731
@@ -141,11 +161,11 @@ async def test_repeated_starts_and_stops_leave_no_process_socket_or_block_behind
     before_children, before_fds, before_dirs = children_of(os.getpid()), len(os.listdir("/proc/self/fd")), socket_dirs()
     for i in range(4):  # one descriptor leaked a start is 4, over the slack of 2 below (ten starts took 66 s)
         engine = AsyncLLMEngine(**CONFIG)
-        core_pid = engine.stats()["core_pid"]
+        core_pid = engine.stats().core_pid
         outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))]
         assert len(outs[-1].token_ids) == 3
         stats = engine.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0, stats
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0, stats
         engine.shutdown()
         assert not alive(core_pid), f"start {i}: the core process is still there after shutdown"
     assert children_of(os.getpid()) == before_children
@@ -154,7 +174,7 @@ async def test_repeated_starts_and_stops_leave_no_process_socket_or_block_behind
 
 
 async def test_the_core_process_starts_with_its_heap_on_huge_pages(core):
-    environ = Path(f"/proc/{core.stats()['core_pid']}/environ").read_bytes().split(b"\0")
+    environ = Path(f"/proc/{core.stats().core_pid}/environ").read_bytes().split(b"\0")
     tunables = next(v for v in environ if v.startswith(b"GLIBC_TUNABLES=")).split(b"=", 1)[1].decode()
     assert HEAP_ON_HUGE_PAGES in tunables.split(":")
 

@@ -103,7 +103,7 @@ def test_the_choices_of_one_request_copy_the_prompts_partial_block_and_answer_as
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = llm32.generate([prompt], params, use_tqdm=False)[0].token_ids
     engine = llm32.engine
-    computed_before = engine.stats()["prompt_tokens"]
+    computed_before = engine.stats().prompt_tokens
     llm32.add_request("lead", prompt, params)
     for i in range(3):
         llm32.add_request(f"sibling{i}", prompt, params, prompt_leader="lead")
@@ -112,4 +112,4 @@ def test_the_choices_of_one_request_copy_the_prompts_partial_block_and_answer_as
         finals.update((o.request_id, o.token_ids) for o in llm32.step() if o.finished)
     assert all(ids == alone for ids in finals.values()) and len(finals) == 4
     # the leader found its own earlier blocks but the last; each sibling computed only the prompt's last token
-    assert engine.stats()["prompt_tokens"] - computed_before == len(prompt) % 16 + 3
+    assert engine.stats().prompt_tokens - computed_before == len(prompt) % 16 + 3

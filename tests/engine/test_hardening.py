@@ -30,11 +30,11 @@ def test_a_request_whose_forward_fails_fails_alone(llm32, monkeypatch):
         return execute(batch)
 
     monkeypatch.setattr(engine.runner, "execute", failing_for_one)
-    failed_before = engine.stats()["num_failed_steps"]
+    failed_before = engine.stats().num_failed_steps
     outs = llm32.generate([[1, 2, poison, 3], "Hello there", "How are you?", [5, 6, 7]], ORDINARY, use_tqdm=False)
     assert outs[0].error and outs[0].finish_reason == "abort"
     assert [o.error for o in outs[1:]] == [None] * 3 and all(len(o.token_ids) == 8 for o in outs[1:])
-    assert engine.stats()["num_failed_steps"] == failed_before + 1
+    assert engine.stats().num_failed_steps == failed_before + 1
     assert engine.consecutive_failed_steps == 0, "the rest of the step ran: the engine is fine"
 
 

@@ -2,12 +2,14 @@
 import time
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
+from engine.engine_stats import EngineStats
 from engine.metrics import PrometheusSink, StepMetrics
 from tests.prometheus_server import query, running_prometheus
 
@@ -31,13 +33,9 @@ CONTRACT = {
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
 
-def idle_stats(**values) -> dict[str, float]:
-    """A stats() dict of an engine that has done nothing, with `values` set."""
-    keys = ["num_running", "num_waiting", "kv_blocks_free", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
-            "prefix_cache_hits", "num_preemptions", "num_steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens",
-            "resident_bytes", *(f"step_seconds_{p}" for p in PHASES),
-            *(f"gc_{kind}_gen{g}" for kind in ("collections", "pause_seconds") for g in range(3))]
-    return {**dict.fromkeys(keys, 0), "kv_blocks_total": 1, "kv_blocks_free": 1, **values}
+def idle_stats(**values) -> EngineStats:
+    """The stats of an engine that has done nothing, with `values` set."""
+    return EngineStats(**{"kv_blocks_total": 1, "kv_blocks_free": 1, **values})
 
 
 def sample(sink: PrometheusSink, name: str, **labels) -> float:
@@ -86,7 +84,7 @@ def test_every_contract_metric_is_exported_with_model_name():
     stats = idle_stats(num_running=1, num_waiting=2, kv_blocks_free=3, kv_blocks_total=4, prompt_tokens=5,
                        generation_tokens=2, prefix_cache_queries=5, prefix_cache_hits=1, num_preemptions=1, num_steps=2,
                        spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=3, resident_bytes=2**20,
-                       gc_collections_gen0=1, gc_pause_seconds_gen0=0.001, **{f"step_seconds_{p}": 0.5 for p in PHASES})
+                       gc_collections={0: 1}, gc_pause_seconds={0: 0.001}, step_seconds=dict.fromkeys(PHASES, 0.5))
     metrics.flush(stats, step_tokens=6)
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(sink.registry).decode())}
     for name, kind in CONTRACT.items():  # prometheus_client names counter families without their _total
@@ -94,7 +92,7 @@ def test_every_contract_metric_is_exported_with_model_name():
         assert family is not None and family.type == kind, (name, family and family.type)
         assert family.samples and all(s.labels.get("model_name") == "m" for s in family.samples), name
     assert sample(sink, "engine_kv_cache_usage_ratio") == 0.25 and sample(sink, "engine_kv_cache_blocks") == 4
-    metrics.flush({**stats, "generation_tokens": 7}, step_tokens=1)
+    metrics.flush(msgspec.structs.replace(stats, generation_tokens=7), step_tokens=1)
     assert sample(sink, "engine_generation_tokens_total") == 7  # deltas, not re-added totals
 
 

@@ -74,4 +74,4 @@ def test_llama_family_runs_native_by_default_and_hf_when_asked(llm32, tokenizer)
     fallback = llm.generate(prompts, params, use_tqdm=False)
     native = llm32.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in fallback] == [o.token_ids for o in native]
-    assert llm.engine.stats()["kv_blocks_free"] == 64
+    assert llm.engine.stats().kv_blocks_free == 64

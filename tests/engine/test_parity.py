@@ -69,13 +69,13 @@ def models(tmp_path_factory, tokenizer):
 
 # mode -> (prompts, engine arguments, what the run must show it exercised)
 MODES = {
-    "plain": (varied_prompts, {"num_kv_blocks": 256}, lambda s: s["num_preemptions"] == 0),
-    "preemption": (varied_prompts, {"num_kv_blocks": 48}, lambda s: s["num_preemptions"] > 0),
+    "plain": (varied_prompts, {"num_kv_blocks": 256}, lambda s: s.num_preemptions == 0),
+    "preemption": (varied_prompts, {"num_kv_blocks": 48}, lambda s: s.num_preemptions > 0),
     # a pool this small evicts cached blocks while later prompts still hit the shared system prompt
     "prefix-hits": (shared_prefix_prompts, {"num_kv_blocks": 40, "max_num_batched_tokens": 256},
-                    lambda s: s["prefix_cache_hits"] >= 8 * 64 and s["prefix_cache_evictions"] > 0),
+                    lambda s: s.prefix_cache_hits >= 8 * 64 and s.prefix_cache_evictions > 0),
     "chunked-prefill": (varied_prompts, {"num_kv_blocks": 256, "max_num_batched_tokens": 48, "enable_prefix_caching": False},
-                        lambda s: s["num_preemptions"] == 0),
+                        lambda s: s.num_preemptions == 0),
 }
 BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not have_compiler(), reason="no C++ compiler"))]
 
@@ -115,7 +115,7 @@ def test_compiled_decoder_matches_hf(models, tokenizer, model, monkeypatch):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.stats()
-    assert stats["num_preemptions"] > 0, stats
+    assert stats.num_preemptions > 0, stats
     assert compiled.steps - compiled_before == decode_only.count(False) > 0 and compiled.graphs == 1, (
         compiled.steps - compiled_before, decode_only.count(False), compiled.graphs)
     assert_varied(outputs)

@@ -14,9 +14,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog because it was very tired 
 def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache():
     llm = LLM(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=64)
     llm.generate([PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)  # its blocks are now cached
-    hits = llm.engine.stats()["prefix_cache_hits"]
+    hits = llm.engine.stats().prefix_cache_hits
     (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2), use_tqdm=False)
-    assert llm.engine.stats()["prefix_cache_hits"] == hits
+    assert llm.engine.stats().prefix_cache_hits == hits
     ids = out.prompt_token_ids
     assert len(ids) > 16  # more than one chunk
     reference = torch.log_softmax(load_hf_model("SmolLM2-135M-Instruct")(torch.tensor([ids])).logits[0].float(), -1)
@@ -26,4 +26,4 @@ def test_prompt_logprobs_match_hf_across_chunks_and_skip_the_prefix_cache():
         assert entry[ids[position]] == pytest.approx(float(reference[position - 1, ids[position]]), abs=1e-4)
         assert set(reference[position - 1].topk(2).indices.tolist()) <= set(entry)
     stats = llm.engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total

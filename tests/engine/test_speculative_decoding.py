@@ -35,11 +35,11 @@ def test_speculation_changes_no_token_and_copies_are_accepted(reference):
     outs = llm.chat(CHATS, GREEDY, use_tqdm=False)
     assert_same(outs, reference)
     stats = llm.engine.stats()
-    assert stats["spec_accepted_tokens"] >= 20, stats
-    assert stats["num_steps"] < 48, "accepted drafts take steps away"
+    assert stats.spec_accepted_tokens >= 20, stats
+    assert stats.num_steps < 48, "accepted drafts take steps away"
     again = llm.chat(CHATS, GREEDY, use_tqdm=False)  # now every prompt's blocks are cached
     assert_same(again, reference)
-    assert llm.engine.stats()["prefix_cache_hits"] > stats["prefix_cache_hits"]
+    assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
 
 
 def test_speculation_under_preemption_and_chunked_prefill_changes_no_token(reference):
@@ -47,7 +47,7 @@ def test_speculation_under_preemption_and_chunked_prefill_changes_no_token(refer
     outs = llm.chat(CHATS, GREEDY, use_tqdm=False)
     assert_same(outs, reference)
     stats = llm.engine.stats()
-    assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0, stats
     assert max(len(o.prompt_token_ids) for o in outs) > 64, "a prompt was prefilled in chunks"
 
 
@@ -61,7 +61,7 @@ def test_logprobs_stops_and_lengths_hold_under_speculation(llm32):
     for mine, theirs in zip(out.logprobs, ref.logprobs):
         assert mine.keys() == theirs.keys()
         assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
-    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    assert llm.engine.stats().spec_accepted_tokens > 0
     sampled = llm.chat(CHATS[:2], SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
                        use_tqdm=False)
     assert all(o.error is None and len(o.token_ids) == 24 for o in sampled)

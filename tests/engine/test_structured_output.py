@@ -22,7 +22,7 @@ def test_schema_output_parses_and_leaves_batch_mates_alone(llm32):
     assert set(value) == {"name", "age"} and isinstance(value["age"], int) and person.finish_reason == "stop"
     assert mate.token_ids == alone.token_ids
     stats = llm32.engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def test_sampled_output_keeps_to_the_schema_too(llm32):

@@ -61,12 +61,12 @@ def shared_prefix_prompts(tokenizer) -> list[list[int]]:
 
 # mode -> (prompts, engine arguments, what the run must show it exercised)
 MODES = {
-    "plain": (varied_prompts, {"num_kv_blocks": 256}, lambda s: s["num_preemptions"] == 0),
-    "preemption": (varied_prompts, {"num_kv_blocks": 40}, lambda s: s["num_preemptions"] > 0),
+    "plain": (varied_prompts, {"num_kv_blocks": 256}, lambda s: s.num_preemptions == 0),
+    "preemption": (varied_prompts, {"num_kv_blocks": 40}, lambda s: s.num_preemptions > 0),
     "prefix-hits": (shared_prefix_prompts, {"num_kv_blocks": 40, "max_num_batched_tokens": 128},
-                    lambda s: s["prefix_cache_hits"] >= 6 * 48 and s["prefix_cache_evictions"] > 0),
+                    lambda s: s.prefix_cache_hits >= 6 * 48 and s.prefix_cache_evictions > 0),
     "chunked-prefill": (varied_prompts, {"num_kv_blocks": 256, "max_num_batched_tokens": 48,
-                                         "enable_prefix_caching": False}, lambda s: s["num_preemptions"] == 0),
+                                         "enable_prefix_caching": False}, lambda s: s.num_preemptions == 0),
 }
 
 
@@ -140,7 +140,7 @@ def test_speculative_decoding_changes_no_token(tmp_path_factory, tokenizer, devi
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
     stats = llm.engine.stats()
-    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0, stats
 
 
 COLOR = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],

@@ -102,7 +102,7 @@ def wait_idle(handle, timeout_s: float = 10) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = handle.stats.remote().result(timeout_s=10)
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+        if stats.engine.idle:
             return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)

@@ -56,11 +56,11 @@ def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
         for number, _ in enumerate(r.iter_lines()):
             if number == 4:
-                running = handle.stats.remote().result(timeout_s=10)["num_running"]
+                running = handle.stats.remote().result(timeout_s=10).engine.num_running
                 break
     assert running == 1
     stats = wait_idle(handle)
-    assert stats["generation_tokens"] < 200 + 2 * CHAT["max_tokens"], stats  # aborted, not run to its end
+    assert stats.engine.generation_tokens < 200 + 2 * CHAT["max_tokens"], stats  # aborted, not run to its end
 
 
 async def test_the_echo_attack_leaves_another_clients_stream_flowing_here_too(colocated, auth):

@@ -8,6 +8,8 @@ import uuid
 import httpx
 import pytest
 
+from serve_app.protocol import ReplicaStats
+
 pytestmark = pytest.mark.slow
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -152,10 +154,10 @@ def test_a_cache_salt_keeps_prefix_cache_blocks_apart(base_url, auth, replica_ha
     prompt = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 12  # ~130 tokens, unseen
 
     def hits_after(salt):
-        before = replica_handle.stats.remote().result(timeout_s=10)["prefix_cache_hits"]
+        before = replica_handle.stats.remote().result(timeout_s=10).engine.prefix_cache_hits
         body = {"prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
         assert httpx.post(base_url + COMPLETIONS, json=body, headers=auth, timeout=60).status_code == 200
-        return replica_handle.stats.remote().result(timeout_s=10)["prefix_cache_hits"] - before
+        return replica_handle.stats.remote().result(timeout_s=10).engine.prefix_cache_hits - before
 
     assert hits_after("tenant-a") == 0
     assert hits_after("tenant-b") == 0, "another tenant's salt must not hit tenant-a's blocks"
@@ -261,7 +263,7 @@ async def assert_echo_attack_leaves_streams_flowing(base_url: str, auth: dict, s
         f"{len(gaps)} gaps, longest {max(gaps):.2f} s, mean engine step {mean_step_s:.3f} s"
 
 
-def engine_seconds_per_step(before: dict, after: dict) -> float:
+def engine_seconds_per_step(before: ReplicaStats, after: ReplicaStats) -> float:
     """The engine's mean step time between two of its stats, every phase counted."""
-    seconds = sum(after[k] - before[k] for k in after if k.startswith("step_seconds_"))
-    return seconds / (after["num_steps"] - before["num_steps"])
+    seconds = sum(after.engine.step_seconds.values()) - sum(before.engine.step_seconds.values())
+    return seconds / (after.engine.num_steps - before.engine.num_steps)

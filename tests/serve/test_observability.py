@@ -138,6 +138,6 @@ def test_every_panel_and_rule_evaluates_against_live_prometheus(obs_app, prometh
     from ray import serve
 
     stats = serve.get_deployment_handle("EngineReplica", app_name="obs").stats.remote().result(timeout_s=10)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0, stats
+    assert stats.engine.kv_blocks_free == stats.engine.kv_blocks_total and stats.engine.num_running == 0, stats
     log.warning("dashboards: %d panel queries non-empty; %d alert rules evaluate; sent %s",
                 sum(len(panel_queries(t)) for t in render().values()), len(rules), sent)

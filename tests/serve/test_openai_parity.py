@@ -169,8 +169,8 @@ def test_echo_with_logprobs_and_n_scores_the_prompt_once_for_every_choice(client
     assert scores[0] == scores[1] == scores[2] and scores[0][1][0] is None and None not in scores[0][1][1:]
     assert all(len(c.logprobs.tokens) == prompt_len + 4 and c.text.startswith(prompt) for c in r.choices)
     full_blocks = (prompt_len - 1) // 16 * 16
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * full_blocks, "choices 2 and 3 hit choice 1's"
-    assert after["prompt_tokens"] - before["prompt_tokens"] < 2 * prompt_len, "the prompt was computed about once"
+    assert after.engine.prefix_cache_hits - before.engine.prefix_cache_hits >= 2 * full_blocks, "choices 2 and 3 hit choice 1's"
+    assert after.engine.prompt_tokens - before.engine.prompt_tokens < 2 * prompt_len, "the prompt was computed about once"
     streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=3, n=3,
                                          echo=True, logprobs=1, stream=True, extra_body={"ignore_eos": True})
     tokens = {0: [], 1: [], 2: []}  # the scores cross to the ingress once and lead every choice's stream
@@ -190,7 +190,7 @@ def test_n_choices_share_the_prompt_blocks_and_seeds_repeat(client, replica_hand
     assert len({c.text for c in r.choices}) == 3  # seed + i per choice
     assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens > 64
     full_blocks = (r.usage.prompt_tokens - 1) // 16 * 16
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * full_blocks  # choices 2 and 3 hit choice 1's
+    assert after.engine.prefix_cache_hits - before.engine.prefix_cache_hits >= 2 * full_blocks  # choices 2 and 3 hit choice 1's
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, n=3,
                                       extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == [c.text for c in r.choices]

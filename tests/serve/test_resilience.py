@@ -33,7 +33,7 @@ async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth,
     start = time.monotonic()
     while True:
         stats = await replica_handle.stats.remote()
-        if stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+        if stats.engine.num_running == 0 and stats.engine.kv_blocks_free == stats.engine.kv_blocks_total:
             break
         assert time.monotonic() - start < 10, stats
         await asyncio.sleep(0.02)
@@ -67,7 +67,7 @@ async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
 
 def test_the_replica_steps_on_every_core_despite_rays_one_thread_default(replica_handle):
     stats = replica_handle.stats.remote().result(timeout_s=10)
-    assert stats["loop_threads"] == nproc() > 1, stats  # Ray sets OMP_NUM_THREADS=1 in every worker
+    assert stats.engine.loop_threads == nproc() > 1, stats  # Ray sets OMP_NUM_THREADS=1 in every worker
 
 
 def test_zz_a_killed_engine_core_fails_only_its_requests_and_serve_replaces_the_replica(base_url, auth, replica_handle):
@@ -75,7 +75,7 @@ def test_zz_a_killed_engine_core_fails_only_its_requests_and_serve_replaces_the_
     replica's health check then fails, and Serve replaces the replica (a killed replica actor takes its core with
     it: tests/engine/test_core_process.py)."""
     stats = replica_handle.stats.remote().result(timeout_s=10)
-    replica_id, core_pid = stats["replica_id"], stats["core_pid"]
+    replica_id, core_pid = stats.placement.replica_id, stats.engine.core_pid
     with httpx.stream("POST", base_url + "/v1/chat/completions", json={**LONG, "ignore_eos": True}, headers=auth,
                       timeout=60) as stream:
         lines = stream.iter_lines()
@@ -100,4 +100,4 @@ def test_zz_a_killed_engine_core_fails_only_its_requests_and_serve_replaces_the_
     log.warning("engine core killed; /health healthy again after %.1f s", time.monotonic() - killed_at)
     r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5}, headers=auth, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
-    assert replica_handle.stats.remote().result(timeout_s=10)["replica_id"] != replica_id, "Serve replaced it"
+    assert replica_handle.stats.remote().result(timeout_s=10).placement.replica_id != replica_id, "Serve replaced it"

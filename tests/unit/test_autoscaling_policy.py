@@ -1,8 +1,10 @@
 """The engine-signal autoscaling policy on recorded contexts (Serve's own AutoscalingContext), and the replica's
 report from engine stats."""
+import msgspec
 import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
+from engine.engine_stats import EngineStats
 from serve_app.autoscaling import SIGNALS, EngineSignalPolicy, EngineSignalTargets, ReplicaSignals, decide, DeploymentSignals
 
 CALM = {"kv_usage": 0.5, "waiting": 0.0, "preemptions_per_s": 0.0, "ttft_p90_s": 0.5}
@@ -84,13 +86,13 @@ def test_targets_are_validated():
 def test_a_replica_reports_pool_use_queue_preemption_rate_and_ttft_p90():
     now = [100.0]
     signals = ReplicaSignals(clock=lambda: now[0])
-    stats = {"kv_blocks_total": 100, "kv_blocks_free": 25, "num_waiting": 3, "num_preemptions": 10}
+    stats = EngineStats(kv_blocks_total=100, kv_blocks_free=25, num_waiting=3, num_preemptions=10)
     first = signals.report(stats)
     assert first == {"kv_usage": 0.75, "waiting": 3.0, "preemptions_per_s": 0.0, "ttft_p90_s": 0.0}
     for seconds in [0.1] * 9 + [2.0]:
         signals.first_token(seconds)
     now[0] = 110.0
-    second = signals.report({**stats, "num_preemptions": 15})
+    second = signals.report(msgspec.structs.replace(stats, num_preemptions=15))
     assert second["preemptions_per_s"] == pytest.approx(0.5) and second["ttft_p90_s"] == 2.0
     now[0] = 200.0  # a minute later the old first tokens no longer count
-    assert signals.report({**stats, "num_preemptions": 15})["ttft_p90_s"] == 0.0
+    assert signals.report(msgspec.structs.replace(stats, num_preemptions=15))["ttft_p90_s"] == 0.0

@@ -11,7 +11,7 @@ FRONT_END_TEXT = ("engine.detokenizer", "engine.input_processor", "engine.output
                   "engine.tool_calls", "tokenizers")  # text in, text out: the front end's, never the core's
 TORCH_FREE = ("engine.scheduler", "engine.block_manager", "engine.sequence", "engine.sampling_params",
               "engine.config", "engine.errors", "engine.speculative", "engine.request_inbox", "engine.tool_calls",
-              "engine.admission")
+              "engine.admission", "engine.engine_stats")
 
 
 def project_modules() -> dict[str, Path]:
