@@ -45,10 +45,23 @@ async def test_a_full_kv_pool_adds_a_replica_that_goes_when_the_load_does(scalin
         body = {"prompt": f"{i} {long_prompt}", "max_tokens": 120, "ignore_eos": True}
         return await client.post(scaling_app + "/v1/completions", json=body, headers=auth)
 
+    scaled_out = asyncio.Event()
+
+    async def keep_one_in_flight(client, i):
+        """Until the second replica runs: a load that ended first would have the policy take back the replica
+        it was still starting, after the down-delay (a start took longer than the load on a busy machine)."""
+        replies = [await one(client, i)]
+        while not scaled_out.is_set():
+            replies.append(await one(client, f"{i}.{len(replies)}"))  # a new prompt: no prefix-cache hit
+        return replies
+
     async with httpx.AsyncClient(timeout=300) as client:
-        load = asyncio.gather(*(one(client, i) for i in range(3)))  # 3 requests against a target of 64
-        scaled_out_after = await asyncio.to_thread(wait_for_replicas, "scaling", 2, 150)
-        replies = await load
+        load = asyncio.gather(*(keep_one_in_flight(client, i) for i in range(3)))  # 3 in flight, a target of 64
+        try:
+            scaled_out_after = await asyncio.to_thread(wait_for_replicas, "scaling", 2, 150)
+        finally:
+            scaled_out.set()
+        replies = [r for sent in await load for r in sent]
     assert all(r.status_code == 200 for r in replies), [r.text[:200] for r in replies]
     scaled_in_after = await asyncio.to_thread(wait_for_replicas, "scaling", 1, 90)
     print(f"scaled out after {scaled_out_after:.1f} s, back in {scaled_in_after:.1f} s after the load")
