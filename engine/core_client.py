@@ -116,7 +116,7 @@ class ProcessCore:
             raise
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        self._send(CoreInputs(stops=[request_id]) if reason == "stop" else CoreInputs(aborts=[request_id]))
+        self._send(CoreInputs(aborts={request_id: reason}))
 
     def attach_metrics(self, metrics: StepMetrics) -> None:
         """The core's StepMetrics records; its updates are replayed here, on `metrics.sink`."""

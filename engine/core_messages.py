@@ -33,8 +33,7 @@ class CoreInputs(msgspec.Struct):
     """Front end -> core: new requests and aborts since the last message; `shutdown` ends the core."""
 
     requests: list[EngineRequest] = []
-    aborts: list[str] = []
-    stops: list[str] = []  # requests the front end finished on a stop string: ended as "stop", not "abort"
+    aborts: dict[str, str] = {}  # request id -> the reason it ends with: abort, or stop for a stop string found
     metrics_model_name: str | None = None  # start reporting step metrics under this model name
     shutdown: bool = False
 

@@ -122,7 +122,7 @@ class CoreLoop:
                 self.compiling.append((request, self.compiler.submit(self.engine.grammars.prepare, spec)))
             else:
                 self._add(request)
-        ended = {**dict.fromkeys(message.aborts, "abort"), **dict.fromkeys(message.stops, "stop")}
+        ended = message.aborts
         for entry in [entry for entry in self.compiling if entry[0].request_id in ended]:
             self.compiling.remove(entry)  # never reached the engine: it finishes here
             request_id = entry[0].request_id
