@@ -8,6 +8,7 @@ import asyncio
 import logging
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from engine.engine_stats import EngineStats
@@ -78,17 +79,20 @@ class AsyncLLMEngine:
         self.config = config = config.model_copy(update=overrides) if overrides else config
         self._streams: dict[str, RequestStream] = {}
         self.dead_reason: str | None = None
-        # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs'
-        input_tokenizer, output_tokenizer = load_tokenizer(config), load_tokenizer(config)
-        self.core: EngineCore
-        if config.engine_process:
-            from engine.core_client import ProcessCore
+        # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs';
+        # loaded while the core starts, as ProcessCore loaded its one before the split
+        with ThreadPoolExecutor(1, thread_name_prefix="load-tokenizers") as pool:
+            tokenizers = pool.submit(lambda: (load_tokenizer(config), load_tokenizer(config)))
+            self.core: EngineCore
+            if config.engine_process:
+                from engine.core_client import ProcessCore
 
-            self.core = ProcessCore(config, self._dispatch, self._die)
-        else:
-            from engine.core_thread import ThreadCore
+                self.core = ProcessCore(config, self._dispatch, self._die)
+            else:
+                from engine.core_thread import ThreadCore
 
-            self.core = ThreadCore(config, self._dispatch, self._die)
+                self.core = ThreadCore(config, self._dispatch, self._die)
+            input_tokenizer, output_tokenizer = tokenizers.result()
         limits = self.core.limits
         self.inputs = InputProcessor(config, input_tokenizer, limits, self.core.grammars)  # on callers' threads
         self.outputs = OutputProcessor(output_tokenizer, limits.eos_token_ids)  # on the thread that calls _dispatch
