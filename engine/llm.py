@@ -109,17 +109,21 @@ class LLM:
         self.core.shutdown()
 
     def _take_delivered(self, wait: bool) -> list[CoreOutput]:
-        taken: list[CoreOutput] = []
-        try:
-            item = self._delivered.get(timeout=self.core.config.step_timeout_s) if wait else self._delivered.get_nowait()
-            while True:
-                if isinstance(item, EngineDeadError):
-                    raise item
-                taken.extend(item)
-                item = self._delivered.get_nowait()
-        except queue.Empty:
-            if wait and not taken:
+        """Every step's outputs delivered so far; with `wait`, at least one step's (a core process reports idle
+        loops too, with no outputs)."""
+        items = []
+        if wait:
+            try:
+                items.append(self._delivered.get(timeout=self.core.config.step_timeout_s))
+            except queue.Empty:
                 raise EngineDeadError(f"no engine step finished in {self.core.config.step_timeout_s:g} s") from None
+        while not self._delivered.empty():
+            items.append(self._delivered.get_nowait())
+        taken: list[CoreOutput] = []
+        for item in items:
+            if isinstance(item, EngineDeadError):
+                raise item
+            taken.extend(item)
         return taken
 
     def _die(self, reason: str) -> None:
