@@ -11,10 +11,10 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
-from engine.engine_stats import EngineStats
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput
 from engine.core_protocol import EngineCore
+from engine.engine_stats import EngineStats
 from engine.errors import EngineDeadError
 from engine.input_processor import InputProcessor, Prompt
 from engine.metrics import StepMetrics

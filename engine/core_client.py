@@ -18,11 +18,11 @@ import time
 import msgspec
 import zmq
 
-from engine.engine_stats import EngineStats
+from engine.admission import check_admission
 from engine.config import EngineConfig
 from engine.core_protocol import Deliver, OnDeath
 from engine.core_messages import CoreFailed, CoreInputs, CoreOutputs, CoreReady, CoreSetup, EngineRequest, FromCore
-from engine.admission import check_admission
+from engine.engine_stats import EngineStats
 from engine.errors import EngineDeadError
 from engine.host_memory import with_huge_page_heap
 from engine.metrics import MetricsSink, StepMetrics, replay

@@ -47,7 +47,7 @@ class InlineCore:
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
-        stats.metrics_share_of_step, stats.loop_threads = self.engine.metrics_share_of_step, self.loop_threads
+        stats.loop_threads = self.loop_threads
         return stats
 
     def has_unfinished_requests(self) -> bool:

@@ -16,9 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import zmq
 
-from engine.engine_stats import EngineStats
 from engine.config import EngineConfig
 from engine.core_messages import CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest
+from engine.engine_stats import EngineStats
 from engine.errors import EngineOverloadedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import RecordingSink, StepMetrics
@@ -147,8 +147,7 @@ class CoreLoop:
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
-        stats.metrics_share_of_step, stats.loop_threads = self.engine.metrics_share_of_step, self.loop_threads
-        stats.core_pid = os.getpid()
+        stats.loop_threads, stats.core_pid = self.loop_threads, os.getpid()
         return stats
 
     def _send(self, outputs: list[CoreOutput]) -> None:

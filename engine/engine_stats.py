@@ -26,11 +26,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    metrics_share_of_step: float = 0.0  # time spent flushing metrics, of the time spent in steps
     step_seconds: dict[str, float] = {}  # by phase of the step (step_stats.PHASES)
     gc_collections: dict[int, int] = {}  # by generation
     gc_pause_seconds: dict[int, float] = {}
-    # set by the loop that runs the engine (core_thread.ThreadCore, core_process.CoreLoop)
-    metrics_share_of_step: float = 0.0
+    # set by the loop that runs the engine (core_inline.InlineCore and its ThreadCore, core_process.CoreLoop)
     loop_threads: int = 0  # torch's intra-op threads in the step loop
     core_pid: int = 0
 

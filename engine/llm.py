@@ -91,9 +91,10 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step's outputs: the inline core steps here; a core process's next step is waited for."""
-        if isinstance(self.core, InlineCore):
+        inline = isinstance(self.core, InlineCore)
+        if inline:
             self.core.step()
-        outputs, ended = self.outputs.process(self._take_delivered(wait=not isinstance(self.core, InlineCore)))
+        outputs, ended = self.outputs.process(self._take_delivered(wait=not inline))
         for request_id, reason in ended.items():
             self.core.abort(request_id, reason)
         return outputs
