@@ -34,9 +34,9 @@ def run_scenario(timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-@pytest.mark.timeout(600)
-def test_replica_per_gpu_scale_out_node_loss_and_scale_in():
-    proc = run_scenario(timeout_s=500)  # the scenario's own deadline is 420 s; pytest's is 600 s
+@pytest.mark.timeout(800)
+def test_replica_per_gpu_scale_out_node_loss_scale_in_and_the_engine_signal_policy():
+    proc = run_scenario(timeout_s=700)  # the scenario's own deadline is 600 s; pytest's is 800 s
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-6000:]
     result = json.loads(lines[-1][len("RESULT "):])
@@ -44,3 +44,9 @@ def test_replica_per_gpu_scale_out_node_loss_and_scale_in():
                 "recovered after %.1f s", result["scale_out_s"], result["scale_in_s"], result["failed_after_node_loss"],
                 result["in_flight_at_node_loss"], result["recovery_s"])
     assert result["succeeded_after_recovery"] > 0
+    requests, engine = result["policies"]["requests"], result["policies"]["engine"]
+    log.warning("the same long-context load on two apps: the count policy held 1 replica, waiting %.2f a replica, %d "
+                "preemptions, %d done in the window; the engine policy scaled out in %.1f s, waiting %.2f, %d "
+                "preemptions, %d done, and back in %.1f s after the load", requests["waiting_mean"],
+                requests["preemptions"], requests["completed"], engine["scale_out_s"], engine["waiting_mean"],
+                engine["preemptions"], engine["completed"], engine["scale_in_s"])
