@@ -18,9 +18,13 @@ HEADER_TIMEOUT_ENV = "LLM_SERVE_HEADER_TIMEOUT_S"
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # nginx allows 60 s, Apache's mod_reqtimeout 20 s; a client on loopback needs ms
 
 
+def header_timeout_s() -> float:
+    return float(os.environ.get(HEADER_TIMEOUT_ENV, DEFAULT_HEADER_TIMEOUT_S))
+
+
 def proxy_middlewares() -> list:
     """Serve's proxy callback: installs the deadline, adds no middleware."""
-    install(float(os.environ.get(HEADER_TIMEOUT_ENV, DEFAULT_HEADER_TIMEOUT_S)))
+    install(header_timeout_s())
     return []
 
 

@@ -31,11 +31,12 @@ RAY_ENV = {
 # and deployments talk gRPC: 19,920 against 17,000 req/h at 48 users on 2 cores (BENCHMARKS.md). Not the default:
 # deleting an app while it streams left a new request hanging 60 s and then cut (Ray's HAProxy drain is still being
 # fixed upstream: ray-project/ray#65698, #66056), where the Python proxy refuses it at once.
-# What HAProxy mode cannot bound in Ray 2.60: request headers (`timeout http-request` is never set,
-# ray/serve/_private/haproxy.py:652, so `timeout client`, 3,600 s, applies to them) and its stats page on *:8404
-# (the template binds `*`). What it can: its admin socket (mode 666) goes in a directory only this user may enter.
+# What Ray 2.60 renders open in HAProxy's config (no header deadline, the stats page and the exporter on every
+# interface, text/plain 500s for 502/503/504) is closed by serve_app/haproxy_fence.py, which Ray runs in place of
+# haproxy; its admin socket (mode 666) goes in a directory only this user may enter.
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 HAPROXY_SOCKET_DIR = Path.home() / ".ray" / "haproxy-serve"
+HAPROXY_FENCE = Path(sys.executable).parent / "llm-serve-haproxy"  # pyproject's console script, beside this python
 
 LOCAL_HEAD = "127.0.0.1:6379"
 
@@ -43,9 +44,12 @@ LOCAL_HEAD = "127.0.0.1:6379"
 def ray_env(throughput: bool = False) -> dict[str, str]:
     if not throughput:
         return dict(RAY_ENV)
+    if not os.access(HAPROXY_FENCE, os.X_OK):
+        raise FileNotFoundError(f"{HAPROXY_FENCE} is missing: install this project into {sys.prefix} (make setup)")
     HAPROXY_SOCKET_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
     HAPROXY_SOCKET_DIR.chmod(0o700)
-    return {**RAY_ENV, **THROUGHPUT_ENV, "RAY_SERVE_HAPROXY_SOCKET_PATH": str(HAPROXY_SOCKET_DIR / "admin.sock")}
+    return {**RAY_ENV, **THROUGHPUT_ENV, "RAY_SERVE_HAPROXY_SOCKET_PATH": str(HAPROXY_SOCKET_DIR / "admin.sock"),
+            "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_FENCE)}
 
 
 def ensure_auth_token() -> None:

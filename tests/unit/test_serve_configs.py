@@ -80,7 +80,9 @@ def test_ray_env_cli_adds_the_throughput_mode_only_when_asked():
     assert words() == RAY_ENV and not THROUGHPUT_ENV.keys() & RAY_ENV.keys()
     throughput = words("--throughput")
     socket = Path(throughput.pop("RAY_SERVE_HAPROXY_SOCKET_PATH"))
+    fence = Path(throughput.pop("RAY_SERVE_HAPROXY_BINARY_PATH"))
     assert throughput == {**RAY_ENV, **THROUGHPUT_ENV}
+    assert fence == Path(sys.executable).parent / "llm-serve-haproxy", "Ray runs serve_app/haproxy_fence.py as haproxy"
     assert socket.parent.stat().st_mode & 0o777 == 0o700, "HAProxy's admin socket (mode 666) sits where only we reach"
     assert THROUGHPUT_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
