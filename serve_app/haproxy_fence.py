@@ -5,7 +5,8 @@ Ray renders `haproxy.cfg` itself and offers no setting for three things this pro
   is always None), so a client that sends headers a byte at a time holds a connection for `timeout client`, 3,600 s;
 - loopback for what has no key: the stats page (`listen stats`, `bind *:8404`) and the Prometheus exporter
   (`frontend prometheus`, `bind :9101`) listen on every interface whatever `http_options.host` says;
-- OpenAI error envelopes: HAProxy's own 502/503/504 answer `text/plain` "Internal Server Error" with status 500.
+- OpenAI error envelopes: HAProxy's own 502/503/504 answer `text/plain` "Internal Server Error" with status 500,
+  and a path no app serves a `text/plain` 404.
 
 Ray starts HAProxy as `RAY_SERVE_HAPROXY_BINARY_PATH -db -f <cfg> ...` on every start and reload, right after writing
 the config, so `ray_env` points that variable at this module's console script (`llm-serve-haproxy`): it rewrites the
@@ -31,6 +32,8 @@ ERRORS = {502: ("Bad Gateway", "the engine replica closed the connection before 
           503: ("Service Unavailable", "no engine replica is available to take the request"),
           504: ("Gateway Timeout", "the engine replica did not answer in time")}
 LOOPBACK = "127.0.0.1"
+_NOT_FOUND_BODY = json.dumps(envelope(404, "no application serves the path {path}")).replace("{path}", "%[path,json(utf8s)]")
+NOT_FOUND = 'http-request return status 404 content-type application/json lf-string "%s"' % _NOT_FOUND_BODY.replace('"', r'\"')
 
 
 def fence(config: str, header_timeout: float, error_dir: Path) -> str:
@@ -48,6 +51,8 @@ def _fence_section(section: str, header_timeout: float, error_dir: Path) -> str:
                  *(f"errorfile {status} {error_dir / f'{status}.http'}" for status in ERRORS)]
         section = re.sub(r"(?m)^([ \t]*)mode http\n", lambda m: m[0] + "".join(f"{m[1]}{line}\n" for line in added),
                          section, count=1)
+    if header == "backend default_backend":  # no app serves the path (none deployed yet, or deleted)
+        section = re.sub(r"(?m)^([ \t]*)http-request return status 404 .*$", lambda m: m[1] + NOT_FOUND, section)
     if header in ("listen stats", "frontend prometheus"):  # no key in front of either: this host only
         section = re.sub(r"(?m)^([ \t]*bind )(?:\*|0\.0\.0\.0|::)?:(\d+)", rf"\g<1>{LOOPBACK}:\2", section)
     return section

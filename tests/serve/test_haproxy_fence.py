@@ -26,7 +26,7 @@ def ray_config(tmp_path) -> dict:
                         metrics_port=ports["metrics"], socket_path=str(tmp_path / "admin.sock"),
                         enable_hap_optimization=False, metrics_enabled=False)
     replica = ServerConfig(name="replica", host="127.0.0.1", port=ports["replica"])
-    api = HAProxyApi(cfg, {"llm": BackendConfig(name="llm", path_prefix="/", servers=[replica], app_name="llm")},
+    api = HAProxyApi(cfg, {"llm": BackendConfig(name="llm", path_prefix="/v1", servers=[replica], app_name="llm")},
                      config_file_path=str(tmp_path / "haproxy.cfg"))
     api._generate_config_file_internal()  # what HAProxyApi.start() writes before it starts the binary
     return {"path": tmp_path / "haproxy.cfg", "ports": ports}
@@ -86,6 +86,14 @@ def test_no_replica_to_forward_to_is_a_503_openai_envelope(fenced_haproxy):
     response = httpx.post(f"{fenced_haproxy['url']}/v1/chat/completions", json={"messages": []}, timeout=30)
     assert response.status_code == 503, response.text
     assert response.json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_path_no_app_serves_is_a_404_openai_envelope_naming_it(fenced_haproxy):
+    response = httpx.get(f'{fenced_haproxy["url"]}/v2/"odd"\\path', timeout=10)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]  # valid JSON whatever the path holds
+    sent = response.request.url.raw_path.decode()  # as it went on the wire: quotes percent-encoded, a backslash not
+    assert error["type"] == "not_found_error" and error["message"].endswith(f" {sent}") and "\\" in sent, error
 
 
 @pytest.mark.parametrize("drip", [b"X-Slow: 1\r\n", b""], ids=["headers-a-line-at-a-time", "nothing-at-all"])
