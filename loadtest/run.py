@@ -66,10 +66,9 @@ def load_records(path: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def embedded_app(port: int = 8000, throughput: bool = True, args: dict | None = None):
+def embedded_app(port: int = 8000, throughput: bool = False, args: dict | None = None):
     """Ray on loopback with a fixed metrics port (as `make serve`), then the embedded app; torn down afterwards.
-    throughput: Ray Serve's high-throughput mode, as make serve (serve_app/ray_env.py); False: Serve's Python proxy,
-    on a Ray started here. args: AppArgs
+    throughput: Ray Serve's high-throughput mode (serve_app/ray_env.py), on a Ray started here. args: AppArgs
     fields laid over serve_app/config.yaml's (a copy of it, in a temporary directory)."""
     started_ray = start_local_ray(throughput)  # as make serve
     with tempfile.TemporaryDirectory() as scratch:
@@ -140,8 +139,7 @@ def main(
     model: str = typer.Option("", help="model field to send (vLLM needs it)"),
     prometheus: str = typer.Option("http://127.0.0.1:9090", help="if reachable, server-side plots come from it"),
     label: str = typer.Option("engine", help="name of this server in tables and files"),
-    throughput_mode: bool = typer.Option(True, help="the embedded app in Ray Serve's high-throughput mode (HAProxy, "
-                                         "gRPC), as make serve; --no-throughput-mode: Serve's Python proxy"),
+    throughput_mode: bool = typer.Option(False, help="the embedded app in Ray Serve's high-throughput mode (HAProxy, gRPC)"),
     out_dir: Path = Path("loadtest/reports"),
 ):
     out = out_dir / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -2,8 +2,8 @@
 the tests' own cluster read it from here. Ray Serve reads these variables when each of its processes starts, so they
 belong to Ray's environment, not to the Serve config.
 
-`python -m serve_app.ray_env [--python-proxy]` prints them as `NAME=value` words for a shell's `env`;
-`python -m serve_app.ray_env start [--python-proxy]` starts a loopback head (as `make serve`) unless one runs.
+`python -m serve_app.ray_env [--throughput]` prints them as `NAME=value` words for a shell's `env`;
+`python -m serve_app.ray_env start [--throughput]` starts a loopback head (as `make serve`) unless one runs.
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ RAY_ENV = {
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.header_deadline.proxy_middlewares",
 }
 
-# The default on a node started here (`make serve`; `PYTHON_PROXY=1` for Serve's Python proxy): Ray Serve's
-# documented high-throughput mode. HAProxy (shipped with ray[serve] on Linux) takes the HTTP port in place of the
-# Python proxy and forwards to the ingress replica's own HTTP server, and deployments talk gRPC. The Python proxy
-# spends 7.7 ms of CPU a request where this mode spends 2.2, and at overload on 2 cores this mode served 1.02x vLLM's
-# OpenAI server where the Python proxy serves 0.83-0.94x (BENCHMARKS.md, 2026-11-26). What Ray 2.60 renders open
-# in HAProxy's config (no header deadline, the stats page and the exporter on every interface, plain-text errors) is
-# closed by serve_app/haproxy_fence.py, which Ray runs in place of haproxy; its admin socket (mode 666) goes in a
-# directory only this user may enter. Cluster nodes start Ray from cluster/, with RAY_ENV only: Serve's Python proxy.
+# Opt-in (`make serve THROUGHPUT=1`): Ray Serve's documented high-throughput mode. HAProxy (shipped with ray[serve]
+# on Linux) takes the HTTP port in place of the Python proxy and forwards to the ingress replica's own HTTP server,
+# and deployments talk gRPC: 19,920 against 17,000 req/h at 48 users on 2 cores (BENCHMARKS.md). Not the default:
+# deleting an app while it streams left a new request hanging 60 s and then cut (Ray's HAProxy drain is still being
+# fixed upstream: ray-project/ray#65698, #66056), where the Python proxy refuses it at once.
+# What Ray 2.60 renders open in HAProxy's config (no header deadline, the stats page and the exporter on every
+# interface, text/plain 500s for 502/503/504) is closed by serve_app/haproxy_fence.py, which Ray runs in place of
+# haproxy; its admin socket (mode 666) goes in a directory only this user may enter.
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 HAPROXY_SOCKET_DIR = Path.home() / ".ray" / "haproxy-serve"
 HAPROXY_FENCE = Path(sys.executable).parent / "llm-serve-haproxy"  # pyproject's console script, beside this python
@@ -41,7 +41,7 @@ HAPROXY_FENCE = Path(sys.executable).parent / "llm-serve-haproxy"  # pyproject's
 LOCAL_HEAD = "127.0.0.1:6379"
 
 
-def ray_env(throughput: bool = True) -> dict[str, str]:
+def ray_env(throughput: bool = False) -> dict[str, str]:
     if not throughput:
         return dict(RAY_ENV)
     if not os.access(HAPROXY_FENCE, os.X_OK):
@@ -64,7 +64,7 @@ def ensure_auth_token() -> None:
         file.write(secrets.token_hex(32))
 
 
-def setdefault_ray_env(throughput: bool = True) -> None:
+def setdefault_ray_env(throughput: bool = False) -> None:
     """For a `ray.init` in this process, whose Ray processes inherit its environment; what is already set wins."""
     for name, value in ray_env(throughput).items():
         os.environ.setdefault(name, value)
@@ -75,7 +75,7 @@ def setdefault_ray_env(throughput: bool = True) -> None:
         Config.initialize("")
 
 
-def start_local_ray(throughput: bool = True) -> bool:
+def start_local_ray(throughput: bool = False) -> bool:
     """A head on loopback with metrics on 8080 (what `make serve` and the load test use), unless one already
     answers there; says whether it started one."""
     ray = str(Path(sys.executable).parent / "ray")
@@ -91,7 +91,7 @@ def start_local_ray(throughput: bool = True) -> bool:
 
 
 if __name__ == "__main__":
-    throughput = "--python-proxy" not in sys.argv[1:]
+    throughput = "--throughput" in sys.argv[1:]
     if "start" in sys.argv[1:]:
         start_local_ray(throughput)
     else:
