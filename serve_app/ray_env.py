@@ -32,7 +32,7 @@ RAY_ENV = {
 # deleting an app while it streams left a new request hanging 60 s and then cut (Ray's HAProxy drain is still being
 # fixed upstream: ray-project/ray#65698, #66056), where the Python proxy refuses it at once.
 # What Ray 2.60 renders open in HAProxy's config (no header deadline, the stats page and the exporter on every
-# interface, text/plain 500s for 502/503/504) is closed by serve_app/haproxy_fence.py, which Ray runs in place of
+# interface, plain-text errors) is closed by serve_app/haproxy_fence.py, which Ray runs in place of
 # haproxy; its admin socket (mode 666) goes in a directory only this user may enter.
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 HAPROXY_SOCKET_DIR = Path.home() / ".ray" / "haproxy-serve"
