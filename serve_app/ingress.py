@@ -6,7 +6,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -20,7 +20,7 @@ from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve_app.protocol import Admitted, GenerationJob, Refused
 from serve_app.replica_client import RemoteReplica, ReplicaClient
-from serve_app.responses import Choice, StreamedChoice, chunk_body, completion_body, sse, usage
+from serve_app.responses import Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse, usage
 from serve_app.security import Guard, exposure_problem
 
 log = logging.getLogger("ray.serve")
@@ -104,8 +104,8 @@ class Ingress:
             choice.prefix = admitted.prompt_text or ""
         tokens = sum(c.completion_tokens for c in choices)
         shown = cached_tokens if self._shows_cached_tokens(body) else None
-        return JSONResponse(completion_body(request_id, self.args.model_name, choices, chat,
-                                            usage(admitted.prompt_tokens, tokens, shown), created))
+        return CompletionResponse(completion_body(request_id, self.args.model_name, choices, chat,
+                                                  usage(admitted.prompt_tokens, tokens, shown), created))
 
     def _shows_cached_tokens(self, body) -> bool:
         """An unsalted request's cached-token count would tell its caller whether another tenant sent the same

@@ -1,10 +1,12 @@
 """The OpenAI response shapes we produce: whole completions, stream chunks, usage, logprobs and tool calls."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
+
+import msgspec
+from starlette.responses import JSONResponse
 
 from engine import tool_calls
 from serve_app.protocol import TokenLogprob
@@ -152,5 +154,16 @@ def chunk_body(request_id: str, model: str, choices: list[dict], chat: bool, cre
             "created": created, "model": model, "choices": choices}
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+class CompletionResponse(JSONResponse):
+    """A whole completion, rendered by msgspec: an echo with logprobs is megabytes, which json.dumps took 117 ms
+    to render (msgspec 15) on the event loop that also feeds every other stream."""
+
+    def render(self, content: dict) -> bytes:
+        return _encode(content)
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + _encode(payload) + b"\n\n"

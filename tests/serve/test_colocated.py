@@ -64,9 +64,8 @@ def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
 
 
 async def test_the_echo_attack_leaves_another_clients_stream_flowing_here_too(colocated, auth):
-    """One event loop here both formats the attack's megabytes of logprobs and feeds every other stream. Before the
-    siblings copied their partial block and the heaps were frozen, the stream came in fewer than 200 chunks in 5 of
-    6 runs (BENCHMARKS.md, nineteenth session); after, 243-246 chunks and 2.7-5.4 mean steps at the longest."""
+    """One event loop here both renders the attack's megabytes of logprobs and feeds every other stream: the
+    longest gap was 1.9-3.5 of the attack's mean steps here (BENCHMARKS.md, twenty-fifth session)."""
     base, handle = colocated
     await assert_echo_attack_leaves_streams_flowing(base, auth, handle)
     await asyncio.to_thread(wait_idle, handle)  # its sync handle calls may not run on this event loop

@@ -187,9 +187,12 @@ def test_tool_call_arguments_nested_past_the_parsers_depth_are_kept_as_text_not_
 
 
 async def stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[float], list]:
-    """The gaps between another client's streamed chunks while `attack(client)` runs, 1 s into the stream, and
-    the attack's replies. The client's own heap is frozen meanwhile: pytest's full collections (0.2-0.3 s, seen
-    while the attack's answers arrive) would read as the server's gaps."""
+    """The gaps between another client's streamed chunks while `attack(client)` runs, and the attack's replies.
+    That client streams from 1 s before the attack to its first chunk after the attack's end, one request after
+    another (gaps counted within each), so all of the attack is watched however long it takes on this CPU.
+    Chunks are not counted: a replica sends what is ready as one chunk, so a loop a step behind sends fewer, fuller
+    ones, and the longest gap is what the client waits. The client's own heap is frozen meanwhile: pytest's full
+    collections (0.2-0.3 s, seen while the attack's answers arrive) would read as the server's gaps."""
     gc.freeze()
     try:
         return await _stream_gaps_while(base_url, auth, attack)
@@ -198,6 +201,7 @@ async def stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[flo
 
 
 async def _stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[float], list]:
+    attack_over = asyncio.Event()
     async with httpx.AsyncClient(timeout=300) as client:
         async def chunk_times() -> list[float]:
             times = []
@@ -207,13 +211,24 @@ async def _stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[fl
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         times.append(time.monotonic())
+                        if attack_over.is_set():  # the gap across the attack's end is in: hang up
+                            break
             return times
 
-        streaming = asyncio.create_task(chunk_times())
+        async def watch() -> list[float]:
+            gaps = []
+            while not attack_over.is_set():
+                times = await chunk_times()
+                gaps += [later - earlier for earlier, later in zip(times, times[1:])]
+            return gaps
+
+        watching = asyncio.create_task(watch())
         await asyncio.sleep(1.0)
-        replies = await attack(client)
-        times = await streaming
-    return [later - earlier for earlier, later in zip(times, times[1:])], replies
+        try:
+            replies = await attack(client)
+        finally:
+            attack_over.set()
+        return await watching, replies
 
 
 def distinct_schema(i: int) -> dict:
@@ -234,7 +249,7 @@ async def test_requests_with_new_schemas_do_not_stall_another_clients_stream(bas
 
     gaps, replies = await stream_gaps_while(base_url, auth, attack)
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200][:2]
-    assert len(gaps) >= 150 and max(gaps) < 1.0, f"{len(gaps)} gaps, longest {max(gaps):.2f} s"
+    assert max(gaps) < 1.0, f"{len(gaps)} gaps, longest {max(gaps):.2f} s"
 
 
 async def test_echoed_prompts_scored_for_n_choices_do_not_stall_another_clients_stream(base_url, auth, replica_handle):
@@ -250,9 +265,10 @@ async def assert_echo_attack_leaves_streams_flowing(base_url: str, auth: dict, s
     reports.
 
     The bar is counted in the engine's own mean step over the attack, so it holds whatever the CPU: issue 41's 1 s
-    was about 5 steps on the AMX Xeon where it was set (0.2 s a step), and a slower CI machine's longest gap was
-    1.25 s. There, with the siblings' copied blocks and frozen heaps, the longest gap was 2.6-5.0 mean steps in 8
-    runs; 8 steps fail the 2.2-5.7 s stalls seen before."""
+    was about 5 steps on the AMX Xeon where it was set, and a slower CI machine's longest gap was 1.25 s. Since the
+    watching client hangs up once the attack is over, the mean is the attack's own (0.25 s a step here, where the
+    quiet steps after it had pulled it to 0.185); the longest gap was 1.9-3.5 of them, and 8 fail the 2.2-5.7 s
+    stalls seen before the siblings copied their blocks."""
     prompts = [" ".join(f"w{i}x{j}" for j in range(700)) for i in range(4)]
 
     async def attack(client):
@@ -265,7 +281,7 @@ async def assert_echo_attack_leaves_streams_flowing(base_url: str, auth: dict, s
     assert all(r.status_code == 200 for r in replies), [r.text[:200] for r in replies if r.status_code != 200][:2]
     scored = replies[0].json()["choices"][0]["logprobs"]["token_logprobs"]
     assert len(scored) > 4000, len(scored)
-    assert len(gaps) >= 200 and max(gaps) < 8 * mean_step_s, \
+    assert max(gaps) < 8 * mean_step_s, \
         f"{len(gaps)} gaps, longest {max(gaps):.2f} s, mean engine step {mean_step_s:.3f} s"
 
 
