@@ -28,6 +28,7 @@ HEALTH_TIMEOUT_S = 2.0
 CONTROL_TIMEOUT_S = 10.0  # model info and other short calls to the replica
 ADMISSION_ATTEMPTS = 6  # with a backoff of 0.05 s doubling: 1.55 s for Serve to drop a lost node's replicas
 ADMISSION_BACKOFF_S = 0.05
+ADMISSION_CHECK_S = 1.0  # an admission slower than this asks whether it can come at all
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see bytes
 
 
@@ -130,10 +131,26 @@ class Ingress:
         """Start a generation: the stream and the replica's admission result (its first message)."""
         stream = self.replica.generate(job)
         try:
-            return stream, await asyncio.wait_for(anext(stream), self.args.request_timeout_s)
+            return stream, await self._first_message(stream)
         except BaseException:
             stream.cancel()
             raise
+
+    async def _first_message(self, stream):
+        """The replica's admission result. While it is slow to come, whether any replica ever will take the job
+        is asked every ADMISSION_CHECK_S: during an app's deletion none will, and the request is refused now."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.args.request_timeout_s
+        first = asyncio.ensure_future(anext(stream))
+        try:
+            while not (await asyncio.wait({first}, timeout=min(ADMISSION_CHECK_S, deadline - loop.time())))[0]:
+                if loop.time() >= deadline:
+                    raise asyncio.TimeoutError
+                if await self.replica.unroutable():
+                    raise OpenAIError(503, "the application is being deleted: no engine replica will take the request")
+            return first.result()
+        finally:
+            first.cancel()
 
     async def _generate_whole(self, job: GenerationJob, choices: list[Choice]) -> tuple[Admitted, int]:
         """A non-streamed generation into `choices`: (admission, cached prompt tokens); refusals raise."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.app_deletion import AppDeletion
 from serve_app.protocol import GenerationJob, ReplicaStats
 
 if TYPE_CHECKING:
@@ -30,12 +31,17 @@ class ReplicaClient(Protocol):
 
     def generate(self, job: GenerationJob) -> ReplicaStream: ...
 
+    async def unroutable(self) -> bool:
+        """Whether a generation not yet admitted never will be: no replica will come to take it."""
+        ...
+
 
 class RemoteReplica:
     """Replicas of the EngineReplica deployment, picked by Serve's router; every message a Ray message."""
 
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle
+        self._app_deletion = AppDeletion()
 
     async def stats(self) -> ReplicaStats:
         return await self.handle.stats.remote()
@@ -45,6 +51,9 @@ class RemoteReplica:
 
     def generate(self, job: GenerationJob) -> ReplicaStream:
         return self.handle.options(stream=True).generate.remote(job)
+
+    async def unroutable(self) -> bool:
+        return await self._app_deletion.deleting()
 
 
 class LocalReplica:
@@ -62,6 +71,9 @@ class LocalReplica:
 
     def generate(self, job: GenerationJob) -> ReplicaStream:
         return LocalStream(self.replica.generate(job), self._closing)
+
+    async def unroutable(self) -> bool:
+        return False  # the replica is this process: a request here is admitted or refused by it
 
 
 class LocalStream:
