@@ -24,10 +24,10 @@ model: $(STAMP)
 RAY := $(VENV)/bin/ray
 RAY_ENV = env $$($(PY) -m serve_app.ray_env)
 # Ray's processes start with serve_app/ray_env.py's environment (workers at nice 0, token auth with ~/.ray/auth_token,
-# created 0600 if missing); THROUGHPUT=1 adds Ray Serve's high-throughput mode (HAProxy in place of the Python proxy,
+# created 0600 if missing) and Ray Serve's high-throughput mode (HAProxy in place of the Python proxy,
 # gRPC between deployments), on a Ray started here.
 serve: model
-	$(PY) -m serve_app.ray_env start $(if $(THROUGHPUT),--throughput)
+	$(PY) -m serve_app.ray_env start $(if $(PYTHON_PROXY),--python-proxy)
 	$(RAY_ENV) $(VENV)/bin/serve run --address auto serve_app/config.yaml
 
 stop:

@@ -29,7 +29,7 @@ cli = typer.Typer(add_completion=False)
 def servers(vllm_python: Path, only: str, out: Path, throughput: bool):
     """(label, context manager yielding the URL), in the order they run."""
     if only in ("", "engine"):
-        yield "engine (HAProxy)" if throughput else "engine", embedded_app(throughput=throughput)
+        yield "engine" if throughput else "engine (Python proxy)", embedded_app(throughput=throughput)
     if only in ("", "vllm"):
         yield "vllm", _url_only(vllm_server(vllm_python, vllm_dtype(), out / "vllm.log"))
 
@@ -46,7 +46,8 @@ def main(users: int = typer.Option(128, help="closed-loop users"),
          warmup: float = typer.Option(30, help="seconds at the start left out of the figures"),
          max_tokens: int = 128, stream_share: float = 0.75,
          only: str = typer.Option("", help="engine or vllm; both by default"),
-         throughput_mode: bool = typer.Option(False, help="this app in Ray Serve's high-throughput mode (HAProxy)"),
+         throughput_mode: bool = typer.Option(True, help="this app in Ray Serve's high-throughput mode (HAProxy), as "
+                                              "make serve; --no-throughput-mode: Serve's Python proxy"),
          vllm_python: Path = Path(".venv-peers/bin/python"),
          out_dir: Path = Path("loadtest/reports/overload")):
     out = ROOT / out_dir / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

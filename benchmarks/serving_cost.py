@@ -186,8 +186,8 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
          warmup: float = typer.Option(10, help="load before the window, per level"),
          max_tokens: int = typer.Option(128, help="mean output length; each request draws from half to 1.5 times it"),
          only: str = typer.Option("", help="engine or vllm; both by default"),
-         proxies: str = typer.Option("python", help="this app's front: python (Serve's proxy), haproxy (Serve's "
-                                     "high-throughput mode), or both in one run: python,haproxy"),
+         proxies: str = typer.Option("haproxy", help="this app's front: haproxy (Serve's high-throughput mode, as "
+                                     "make serve), python (Serve's Python proxy), or both in one run: python,haproxy"),
          topologies: str = typer.Option("split", help="this app's topology (AppArgs.topology): split, colocated, or "
                                         "both in one run: split,colocated"),
          app_args: str = typer.Option("{}", help="JSON of AppArgs fields laid over serve_app/config.yaml's, e.g. "
@@ -202,7 +202,7 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
             for proxy in proxies.split(","):
                 haproxy = proxy.strip() == "haproxy"
                 with embedded_app(throughput=haproxy, args={**json.loads(app_args), "topology": topology.strip()}) as url:
-                    label = f"engine ({topology.strip()}{', HAProxy' if haproxy else ''})"
+                    label = f"engine ({topology.strip()}{'' if haproxy else ', Python proxy'})"
                     results += run_system(label, url, None, counts, stream_modes, warmup, seconds, max_tokens)
     if only in ("", "vllm"):
         results += run_vllm(vllm_python, counts, stream_modes, warmup, seconds, max_tokens)

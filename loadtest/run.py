@@ -66,10 +66,11 @@ def load_records(path: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def embedded_app(port: int = 8000, throughput: bool = False, args: dict | None = None):
+def embedded_app(port: int = 8000, throughput: bool = True, args: dict | None = None):
     """Ray on loopback with a fixed metrics port (as `make serve`), then the embedded app; torn down afterwards.
-    throughput: Ray Serve's high-throughput mode (serve_app/ray_env.py), on a Ray started here. args: AppArgs
-    fields laid over serve_app/config.yaml's (a copy of it, in a temporary directory)."""
+    throughput: Ray Serve's high-throughput mode, as make serve (serve_app/ray_env.py); False: Serve's Python proxy,
+    on a Ray started here. args: AppArgs fields laid over serve_app/config.yaml's (a copy of it, in a temporary
+    directory)."""
     started_ray = start_local_ray(throughput)  # as make serve
     with tempfile.TemporaryDirectory() as scratch:
         config = ROOT / "serve_app/config.yaml"
@@ -79,7 +80,7 @@ def embedded_app(port: int = 8000, throughput: bool = False, args: dict | None =
             config = Path(scratch) / "config.yaml"
             config.write_text(yaml.safe_dump(settings))
         proc = subprocess.Popen([str(BIN / "serve"), "run", "--address", "auto", str(config)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ray_env()})
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ray_env(throughput)})
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, 600, proc, "the embedded app")
@@ -139,7 +140,8 @@ def main(
     model: str = typer.Option("", help="model field to send (vLLM needs it)"),
     prometheus: str = typer.Option("http://127.0.0.1:9090", help="if reachable, server-side plots come from it"),
     label: str = typer.Option("engine", help="name of this server in tables and files"),
-    throughput_mode: bool = typer.Option(False, help="the embedded app in Ray Serve's high-throughput mode (HAProxy, gRPC)"),
+    throughput_mode: bool = typer.Option(True, help="the embedded app in Ray Serve's high-throughput mode (HAProxy, "
+                                         "gRPC), as make serve; --no-throughput-mode: Serve's Python proxy"),
     out_dir: Path = Path("loadtest/reports"),
 ):
     out = out_dir / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -2,8 +2,8 @@
 the tests' own cluster read it from here. Ray Serve reads these variables when each of its processes starts, so they
 belong to Ray's environment, not to the Serve config.
 
-`python -m serve_app.ray_env [--throughput]` prints them as `NAME=value` words for a shell's `env`;
-`python -m serve_app.ray_env start [--throughput]` starts a loopback head (as `make serve`) unless one runs.
+`python -m serve_app.ray_env [--python-proxy]` prints them as `NAME=value` words for a shell's `env`;
+`python -m serve_app.ray_env start [--python-proxy]` starts a loopback head (as `make serve`) unless one runs.
 """
 from __future__ import annotations
 
@@ -26,14 +26,16 @@ RAY_ENV = {
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.header_deadline.proxy_middlewares",
 }
 
-# Opt-in (`make serve THROUGHPUT=1`): Ray Serve's documented high-throughput mode. HAProxy (shipped with ray[serve]
-# on Linux) takes the HTTP port in place of the Python proxy and forwards to the ingress replica's own HTTP server,
-# and deployments talk gRPC: 19,920 against 17,000 req/h at 48 users on 2 cores (BENCHMARKS.md). Not the default:
-# deleting an app while it streams left a new request hanging 60 s and then cut (Ray's HAProxy drain is still being
-# fixed upstream: ray-project/ray#65698, #66056), where the Python proxy refuses it at once.
-# What Ray 2.60 renders open in HAProxy's config (no header deadline, the stats page and the exporter on every
-# interface, plain-text errors) is closed by serve_app/haproxy_fence.py, which Ray runs in place of
-# haproxy; its admin socket (mode 666) goes in a directory only this user may enter.
+# The default on a node started here (`make serve`; `PYTHON_PROXY=1` for Serve's Python proxy): Ray Serve's
+# documented high-throughput mode. HAProxy (shipped with ray[serve] on Linux) takes the HTTP port in place of the
+# Python proxy and forwards to the ingress replica's own HTTP server, and deployments talk gRPC. The Python proxy
+# spends 7.7 ms of CPU a request where this mode spends 2.2, and at overload on 2 cores this mode served 0.92-1.02x
+# vLLM's OpenAI server in the same run where the Python proxy served 0.82-0.94x (BENCHMARKS.md, 2026-11-26). A request
+# sent while an app is deleted is served by its draining ingress, refused by it (serve_app/app_deletion.py) or
+# answered 404 once HAProxy reloads; it hung before the split ingress learned to refuse. What Ray 2.60 renders open
+# in HAProxy's config (no header deadline, the stats page and the exporter on every interface, plain-text errors) is
+# closed by serve_app/haproxy_fence.py, which Ray runs in place of haproxy; its admin socket (mode 666) goes in a
+# directory only this user may enter. Cluster nodes start Ray from cluster/, with RAY_ENV only: Serve's Python proxy.
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 HAPROXY_SOCKET_DIR = Path.home() / ".ray" / "haproxy-serve"
 HAPROXY_FENCE = Path(sys.executable).parent / "llm-serve-haproxy"  # pyproject's console script, beside this python
@@ -41,7 +43,7 @@ HAPROXY_FENCE = Path(sys.executable).parent / "llm-serve-haproxy"  # pyproject's
 LOCAL_HEAD = "127.0.0.1:6379"
 
 
-def ray_env(throughput: bool = False) -> dict[str, str]:
+def ray_env(throughput: bool = True) -> dict[str, str]:
     if not throughput:
         return dict(RAY_ENV)
     if not os.access(HAPROXY_FENCE, os.X_OK):
@@ -64,7 +66,7 @@ def ensure_auth_token() -> None:
         file.write(secrets.token_hex(32))
 
 
-def setdefault_ray_env(throughput: bool = False) -> None:
+def setdefault_ray_env(throughput: bool = True) -> None:
     """For a `ray.init` in this process, whose Ray processes inherit its environment; what is already set wins."""
     for name, value in ray_env(throughput).items():
         os.environ.setdefault(name, value)
@@ -75,7 +77,7 @@ def setdefault_ray_env(throughput: bool = False) -> None:
         Config.initialize("")
 
 
-def start_local_ray(throughput: bool = False) -> bool:
+def start_local_ray(throughput: bool = True) -> bool:
     """A head on loopback with metrics on 8080 (what `make serve` and the load test use), unless one already
     answers there; says whether it started one."""
     ray = str(Path(sys.executable).parent / "ray")
@@ -91,7 +93,7 @@ def start_local_ray(throughput: bool = False) -> bool:
 
 
 if __name__ == "__main__":
-    throughput = "--throughput" in sys.argv[1:]
+    throughput = "--python-proxy" not in sys.argv[1:]
     if "start" in sys.argv[1:]:
         start_local_ray(throughput)
     else:

@@ -29,8 +29,8 @@ def serve_app():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # as `make serve`: workers at nice 0 (at Ray's 15, on a slow 2-core AVX2 box the Locust smoke completed 6
     # requests in 20 s instead of dozens)
-    # LLM_TEST_THROUGHPUT_MODE=1: the same tests behind Ray Serve's HAProxy mode (`make serve THROUGHPUT=1`)
-    setdefault_ray_env(throughput=os.environ.get("LLM_TEST_THROUGHPUT_MODE") == "1")
+    # Ray Serve's HAProxy mode, as `make serve`; LLM_TEST_PYTHON_PROXY=1: the same tests behind Serve's Python proxy
+    setdefault_ray_env(throughput=os.environ.get("LLM_TEST_PYTHON_PROXY") != "1")
     # replicas push autoscaling metrics every second instead of 10, so the autoscaling test sees its load in time
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     header_timeout_s = 2.0  # Serve's proxy reads it when it starts (serve_app/header_deadline.py)

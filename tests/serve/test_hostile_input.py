@@ -122,7 +122,7 @@ async def seconds_until_the_server_hangs_up(base_url: str, drip: bytes | None,
 async def test_a_client_slow_with_its_headers_is_cut_off_at_the_header_deadline(base_url, serve_app, drip):
     """Slowloris (issue 41 item 6): Serve's proxy waited forever for headers, so each such client held a connection
     and a descriptor (against main this test waits out its 30 s limit); serve_app/header_deadline.py closes it in
-    Serve's Python proxy, serve_app/haproxy_fence.py's `timeout http-request` in HAProxy (LLM_TEST_THROUGHPUT_MODE=1)."""
+    Serve's Python proxy (LLM_TEST_PYTHON_PROXY=1), serve_app/haproxy_fence.py's `timeout http-request` in HAProxy."""
     deadline = serve_app["header_timeout_s"]
     waited, _ = await seconds_until_the_server_hangs_up(base_url, drip)
     assert deadline - 0.5 <= waited < deadline + 3

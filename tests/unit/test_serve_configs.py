@@ -66,7 +66,7 @@ def test_serving_defaults_bound_the_queue_and_max_tokens_under_any_engine_settin
         AppArgs(max_num_seqs=8)  # engine knobs live under `engine`, never copied onto AppArgs
 
 
-def test_ray_env_cli_adds_the_throughput_mode_only_when_asked():
+def test_ray_env_cli_gives_the_haproxy_mode_unless_told_python_proxy():
     """`make serve` runs Serve's CLI with `env $(python -m serve_app.ray_env)`."""
     import subprocess
     import sys
@@ -77,8 +77,8 @@ def test_ray_env_cli_adds_the_throughput_mode_only_when_asked():
         out = subprocess.run([sys.executable, "-m", "serve_app.ray_env", *args], capture_output=True, text=True, check=True)
         return dict(word.split("=", 1) for word in out.stdout.split())
 
-    assert words() == RAY_ENV and not THROUGHPUT_ENV.keys() & RAY_ENV.keys()
-    throughput = words("--throughput")
+    assert words("--python-proxy") == RAY_ENV and not THROUGHPUT_ENV.keys() & RAY_ENV.keys()
+    throughput = words()
     socket = Path(throughput.pop("RAY_SERVE_HAPROXY_SOCKET_PATH"))
     fence = Path(throughput.pop("RAY_SERVE_HAPROXY_BINARY_PATH"))
     assert throughput == {**RAY_ENV, **THROUGHPUT_ENV}
