@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -139,18 +140,14 @@ class Ingress:
     async def _first_message(self, stream):
         """The replica's admission result. While it is slow to come, whether any replica ever will take the job
         is asked every ADMISSION_CHECK_S: during an app's deletion none will, and the request is refused now."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.args.request_timeout_s
-        first = asyncio.ensure_future(anext(stream))
-        try:
-            while not (await asyncio.wait({first}, timeout=min(ADMISSION_CHECK_S, deadline - loop.time())))[0]:
-                if loop.time() >= deadline:
-                    raise asyncio.TimeoutError
+        deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
+        async with contextlib.aclosing(_with_keep_alive(stream, ADMISSION_CHECK_S, deadline)) as waiting:
+            async for first in waiting:
+                if first is not None:
+                    return first
                 if await self.replica.unroutable():
                     raise OpenAIError(503, "the application is being deleted: no engine replica will take the request")
-            return first.result()
-        finally:
-            first.cancel()
+        raise StopAsyncIteration  # the stream ended without one, as anext() would have said
 
     async def _generate_whole(self, job: GenerationJob, choices: list[Choice]) -> tuple[Admitted, int]:
         """A non-streamed generation into `choices`: (admission, cached prompt tokens); refusals raise."""
@@ -212,7 +209,7 @@ class Ingress:
             return await asyncio.wait_for(awaitable, timeout_s)
         except BackPressureError:
             raise OpenAIError(429, "server overloaded, retry later", code="overloaded", retry_after_s=self.args.retry_after_s)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, TimeoutError):  # one class from Python 3.11; _with_keep_alive raises the builtin
             raise OpenAIError(504, f"request timed out after {timeout_s:g} s", code="timeout")
         except OpenAIError:
             raise
