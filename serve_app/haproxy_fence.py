@@ -6,7 +6,12 @@ Ray renders `haproxy.cfg` itself and offers no setting for three things this pro
 - loopback for what has no key: the stats page (`listen stats`, `bind *:8404`) and the Prometheus exporter
   (`frontend prometheus`, `bind :9101`) listen on every interface whatever `http_options.host` says;
 - OpenAI error envelopes: HAProxy's own 502/503/504 answer `text/plain` "Internal Server Error" with status 500,
-  and a path no app serves a `text/plain` 404.
+  and a path no app serves a `text/plain` 404;
+- a client's going away: with `option splice-request`, a request whose body came after its headers (as httpx,
+  the openai client and Locust send it) is spliced, and HAProxy 2.8 then misses that client's close (FIN or RST)
+  until the response is written, so a non-streamed completion whose client left ran to its max_tokens for
+  nobody. Without it the close reaches the replica at once and Serve cancels the request. Bodies are small
+  (1 MiB at most); copying them costs nothing that shows.
 
 Ray starts HAProxy as `RAY_SERVE_HAPROXY_BINARY_PATH -db -f <cfg> ...` on every start and reload, right after writing
 the config, so `ray_env` points that variable at this module's console script (`llm-serve-haproxy`): it rewrites the
@@ -48,7 +53,7 @@ def fence(config: str, header_timeout: float, error_dir: Path) -> str:
 def _fence_section(section: str, header_timeout: float, error_dir: Path) -> str:
     header = section.split("\n", 1)[0].strip()
     if header == "defaults":
-        section = re.sub(r"(?m)^[ \t]*(timeout http-request|errorfile \d+) .*\n", "", section)
+        section = re.sub(r"(?m)^[ \t]*(timeout http-request|errorfile \d+|option splice-request)\b.*\n", "", section)
         added = [f"timeout http-request {round(header_timeout * 1000)}ms",
                  *(f"errorfile {status} {error_dir / f'{status}.http'}" for status in ERRORS)]
         section = re.sub(r"(?m)^([ \t]*)mode http\n", lambda m: m[0] + "".join(f"{m[1]}{line}\n" for line in added),

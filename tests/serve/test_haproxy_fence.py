@@ -36,12 +36,14 @@ def ray_config(tmp_path) -> dict:
 def test_the_fence_closes_what_rays_config_leaves_open_and_haproxy_accepts_it(ray_config, tmp_path):
     text = ray_config["path"].read_text()
     assert "timeout http-request" not in text and "bind *:%d" % ray_config["ports"]["stats"] in text  # still so in Ray
+    assert "option splice-request" in text  # still so in Ray: HAProxy then misses a client's close (module docstring)
     fenced = fence(text, HEADER_TIMEOUT_S, tmp_path)
     defaults = fenced.split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0]
     assert "timeout http-request 2000ms" in defaults
     for status in ERRORS:
         assert f"errorfile {status} {tmp_path / f'{status}.http'}" in defaults
     assert "500.http" not in fenced
+    assert "option splice-request" not in fenced and "option splice-response" in defaults
     assert f"bind 127.0.0.1:{ray_config['ports']['stats']}" in fenced
     assert f"bind 127.0.0.1:{ray_config['ports']['metrics']}" in fenced
     assert fence(fenced, HEADER_TIMEOUT_S, tmp_path) == fenced

@@ -43,6 +43,30 @@ async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth,
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
+async def test_clients_that_give_up_on_whole_completions_free_every_block(base_url, auth, replica_handle):
+    """Behind HAProxy the ingress is the HTTP server itself, and it cancels only streams when their client goes:
+    a whole completion must be aborted too, not generated to its max_tokens for nobody."""
+    clients, body = 8, {**LONG, "stream": False, "ignore_eos": True}
+    before = (await replica_handle.stats.remote()).engine.generation_tokens
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=clients)) as client:
+        posts = [asyncio.create_task(client.post(base_url + "/v1/chat/completions", json=body, headers=auth))
+                 for _ in range(clients)]
+        start = time.monotonic()
+        while (await replica_handle.stats.remote()).engine.num_running < clients:
+            assert time.monotonic() - start < 30 and not any(p.done() for p in posts), "never all running"
+            await asyncio.sleep(0.02)
+        for post in posts:
+            post.cancel()  # mid-request: httpx closes the connection
+        await asyncio.gather(*posts, return_exceptions=True)
+    start = time.monotonic()
+    while not (stats := await replica_handle.stats.remote()).engine.idle:
+        assert time.monotonic() - start < 5, stats
+        await asyncio.sleep(0.02)
+    generated = stats.engine.generation_tokens - before
+    log.warning("%d abandoned whole completions: idle %.3f s later, %d tokens", clients, time.monotonic() - start, generated)
+    assert generated < clients * body["max_tokens"] / 2, generated  # aborted, not run to their end
+
+
 async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
     """BENCHMARKS claims no 5xx under a burst: overload is the engine's own 429, never a 503."""
     # ignore_eos: this raw (untemplated) prompt makes the model stop at once, which hid nothing but proved nothing
