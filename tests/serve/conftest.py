@@ -48,9 +48,10 @@ def serve_app():
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # the default body limit (1 MiB), so a prompt over the character bound can arrive; short keep-alives and
-        # body deadline, so the tests that watch them run in seconds
+        # body deadline, so the tests that watch them run in seconds; 180 s for a request, as the echo attack of
+        # test_hostile_input took 57-60 s per request on a 2-core Zen 4 in fp32 (its point is the stream beside it)
         args = dict(engine_config=dict(dtype="float32", num_kv_blocks=1024, max_num_seqs=64, max_waiting=64, max_tokens_limit=256),
-                    api_key=API_KEY, request_timeout_s=60, retry_after_s=1, sse_keepalive_s=0.5, body_timeout_s=3)
+                    api_key=API_KEY, request_timeout_s=180, retry_after_s=1, sse_keepalive_s=0.5, body_timeout_s=3)
         serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
