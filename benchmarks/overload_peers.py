@@ -31,14 +31,14 @@ cli = typer.Typer(add_completion=False)
 
 
 def servers(vllm_python: Path, only: str, out: Path, throughput: bool, round_number: int):
-    """(label, context manager yielding the URL), in the order they run: this app first in even rounds."""
+    """(side, label, context manager yielding the URL) in the order they run: this app first in even rounds."""
     runs = []
     if only in ("", "engine"):
-        runs.append(("engine" if throughput else "engine (Python proxy)", lambda: embedded_app(throughput=throughput)))
+        runs.append(("engine", "engine" if throughput else "engine (Python proxy)", embedded_app(throughput=throughput)))
     if only in ("", "vllm"):
-        runs.append(("vllm", lambda: _url_only(vllm_server(vllm_python, vllm_dtype(), out / f"vllm-{round_number}.log"))))
-    for label, server in runs if round_number % 2 == 0 else runs[::-1]:
-        yield f"{label} {round_number + 1}", server()
+        runs.append(("vllm", "vllm", _url_only(vllm_server(vllm_python, vllm_dtype(), out / f"vllm-{round_number}.log"))))
+    for side, label, server in runs if round_number % 2 == 0 else runs[::-1]:
+        yield side, f"{label} {round_number + 1}", server
 
 
 @contextlib.contextmanager
@@ -60,13 +60,17 @@ def main(users: int = typer.Option(128, help="closed-loop users"),
          out_dir: Path = Path("loadtest/reports/overload")):
     out = ROOT / out_dir / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
-    summaries = []
+    summaries, ratios = [], []
     for round_number in range(rounds):
-        for label, server in servers(vllm_python, only, out, throughput_mode, round_number):
+        this_round = {}
+        for side, label, server in servers(vllm_python, only, out, throughput_mode, round_number):
             with server as url:
                 records, started = run_locust(url, out, label, users, 0.0, "poisson", duration, max_tokens=max_tokens,
                                               stream_share=stream_share, api_key="", model=MODEL_NAME)
-            summaries.append(summarize(load_records(records), started + warmup, started + duration, label))
+            this_round[side] = summarize(load_records(records), started + warmup, started + duration, label)
+            summaries.append(this_round[side])
+        if len(this_round) == 2:
+            ratios.append(this_round["engine"]["achieved_rph"] / this_round["vllm"]["achieved_rph"])
     table = Table(title=f"{users} closed-loop users, {duration - warmup:.0f} s measured after {warmup:.0f} s")
     for column in ("server", "served req/h", "failed", "output tok/s", "e2e p50", "e2e p95", "TTFT p95", "ITL p50"):
         table.add_column(column, justify="right")
@@ -74,21 +78,11 @@ def main(users: int = typer.Option(128, help="closed-loop users"),
         table.add_row(s["label"], f"{s['achieved_rph']:,.0f}", str(s["requests_failed"]), f"{s['output_tokens_per_s']:.0f}",
                       *(_seconds(s[k][p]) for k, p in (("e2e", "p50"), ("e2e", "p95"), ("ttft", "p95"), ("itl", "p50"))))
     console.print(table)
-    ratios = [a["achieved_rph"] / b["achieved_rph"] for a, b in _round_pairs(summaries)]
     if ratios:
         console.print("served req/h, this app / vLLM, per round: " + ", ".join(f"{r:.2f}x" for r in ratios)
                       + f"; median {statistics.median(ratios):.2f}x")
     (out / "overload.json").write_text(json.dumps({"cpu_flags": cpu_flags(), "summaries": summaries}, indent=2))
     console.print(f"wrote {out / 'overload.json'}")
-
-
-def _round_pairs(summaries: list[dict]) -> list[tuple[dict, dict]]:
-    """(this app, vLLM) for each round that ran both."""
-    by_round: dict[str, dict[str, dict]] = {}
-    for s in summaries:
-        server, round_number = s["label"].rsplit(" ", 1)
-        by_round.setdefault(round_number, {})["vllm" if server == "vllm" else "engine"] = s
-    return [(pair["engine"], pair["vllm"]) for pair in by_round.values() if len(pair) == 2]
 
 
 def _seconds(value: float | None) -> str:

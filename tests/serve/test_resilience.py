@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from serve_app.protocol import ReplicaStats
 from tests.conftest import nproc
 from tests.serve.conftest import wait_healthy
 
@@ -16,6 +17,16 @@ pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
 LONG = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}], "max_tokens": 256,
         "stream": True}
+
+
+async def idle_within(handle, timeout_s: float) -> tuple[ReplicaStats, float]:
+    """The replica's stats once nothing runs or waits and every KV block is free, and the seconds that took; fails
+    after `timeout_s` (conftest's wait_idle, for a test already in an event loop)."""
+    start = time.monotonic()
+    while not (stats := await handle.stats.remote()).engine.idle:
+        assert time.monotonic() - start < timeout_s, stats
+        await asyncio.sleep(0.02)
+    return stats, time.monotonic() - start
 
 
 async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth, replica_handle):
@@ -30,22 +41,16 @@ async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth,
 
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
         await asyncio.gather(*(cut_off(client) for _ in range(50)))
-    start = time.monotonic()
-    while True:
-        stats = await replica_handle.stats.remote()
-        if stats.engine.num_running == 0 and stats.engine.kv_blocks_free == stats.engine.kv_blocks_total:
-            break
-        assert time.monotonic() - start < 10, stats
-        await asyncio.sleep(0.02)
-    log.warning("blocks of 50 cut-off streams freed in %.3f s", time.monotonic() - start)
+    _, seconds = await idle_within(replica_handle, 10)
+    log.warning("blocks of 50 cut-off streams freed in %.3f s", seconds)
     async with httpx.AsyncClient(timeout=60) as client:
         r = await client.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5}, headers=auth)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
 async def test_clients_that_give_up_on_whole_completions_free_every_block(base_url, auth, replica_handle):
-    """Behind HAProxy the ingress is the HTTP server itself, and it cancels only streams when their client goes:
-    a whole completion must be aborted too, not generated to its max_tokens for nobody."""
+    """A whole completion whose client goes is aborted, not generated to its max_tokens for nobody: behind HAProxy
+    that needs the client's close to reach the replica (haproxy_fence.py drops `option splice-request` for it)."""
     clients, body = 8, {**LONG, "stream": False, "ignore_eos": True}
     before = (await replica_handle.stats.remote()).engine.generation_tokens
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=clients)) as client:
@@ -58,12 +63,9 @@ async def test_clients_that_give_up_on_whole_completions_free_every_block(base_u
         for post in posts:
             post.cancel()  # mid-request: httpx closes the connection
         await asyncio.gather(*posts, return_exceptions=True)
-    start = time.monotonic()
-    while not (stats := await replica_handle.stats.remote()).engine.idle:
-        assert time.monotonic() - start < 5, stats
-        await asyncio.sleep(0.02)
+    stats, seconds = await idle_within(replica_handle, 5)
     generated = stats.engine.generation_tokens - before
-    log.warning("%d abandoned whole completions: idle %.3f s later, %d tokens", clients, time.monotonic() - start, generated)
+    log.warning("%d abandoned whole completions: idle %.3f s later, %d tokens", clients, seconds, generated)
     assert generated < clients * body["max_tokens"] / 2, generated  # aborted, not run to their end
 
 
