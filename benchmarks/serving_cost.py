@@ -22,6 +22,7 @@ import httpx
 import matplotlib
 import psutil
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -188,8 +189,8 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
          only: str = typer.Option("", help="engine or vllm; both by default"),
          proxies: str = typer.Option("haproxy", help="this app's front: haproxy (Serve's high-throughput mode, as "
                                      "make serve), python (Serve's Python proxy), or both in one run: python,haproxy"),
-         topologies: str = typer.Option("split", help="this app's topology (AppArgs.topology): split, colocated, or "
-                                        "both in one run: split,colocated"),
+         topologies: str = typer.Option("", help="this app's topology (AppArgs.topology): split, colocated, or "
+                                        "both in one run: split,colocated; serve_app/config.yaml's by default"),
          app_args: str = typer.Option("{}", help="JSON of AppArgs fields laid over serve_app/config.yaml's, e.g. "
                                       "'{\"stream_interval\": 4, \"stream_chunks_per_step\": null}'"),
          vllm_python: Path = Path(".venv-peers/bin/python"),
@@ -198,7 +199,7 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
     stream_modes = [m.strip() == "stream" for m in modes.split(",")]
     results: list[Level] = []
     if only in ("", "engine"):
-        for topology in topologies.split(","):
+        for topology in (topologies or shipped_topology()).split(","):
             for proxy in proxies.split(","):
                 haproxy = proxy.strip() == "haproxy"
                 with embedded_app(throughput=haproxy, args={**json.loads(app_args), "topology": topology.strip()}) as url:
@@ -207,6 +208,12 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
     if only in ("", "vllm"):
         results += run_vllm(vllm_python, counts, stream_modes, warmup, seconds, max_tokens)
     report(results, out_dir)
+
+
+def shipped_topology() -> str:
+    """What `make serve` runs, so that `make bench-serving` measures the shipped app unless told otherwise."""
+    settings = yaml.safe_load((ROOT / "serve_app/config.yaml").read_text())
+    return settings["applications"][0]["args"].get("topology", "split")
 
 
 def run_vllm(vllm_python: Path, counts: list[int], modes: list[bool], warmup: float, seconds: float,
