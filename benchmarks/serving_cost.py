@@ -72,7 +72,7 @@ def role_of(proc: psutil.Process, api_pid: int | None) -> str:
         return "other"
     if proc.pid == api_pid:
         return "api server"
-    for marker, role in (("ProxyActor", "proxy"), ("haproxy", "proxy"), ("Ingress", "ingress"), ("EngineReplica", "replica"),
+    for marker, role in (("ProxyActor", "proxy"), ("HAProxyManager", "proxy"), ("haproxy", "proxy"), ("Ingress", "ingress"), ("EngineReplica", "replica"),
                          ("engine.core_process", "core"), ("VLLM::EngineCore", "core"), ("VLLM::Worker", "core")):
         if marker in text:
             return role
