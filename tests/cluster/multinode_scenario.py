@@ -29,9 +29,12 @@ from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
 from serve_app.app import build_app
+from serve_app.ray_env import setdefault_ray_env
 
 REPLICA_CLASS = "EngineReplica"
 DEADLINE_S = 600  # inside the test's own limit, so the cluster is always shut down here, never left running
+HAPROXY = os.environ.get("LLM_TEST_CLUSTER_HAPROXY") == "1"
+PROXY_CLASS = "HAProxyManager" if HAPROXY else "ProxyActor"
 BODY = {"prompt": "Count from one to one hundred:", "max_tokens": 24, "ignore_eos": True}
 
 
@@ -93,6 +96,11 @@ def _past_deadline(signum, frame):
 def main() -> None:
     signal.signal(signal.SIGALRM, _past_deadline)
     signal.alarm(DEADLINE_S)
+    # every node as cluster/ starts them: Ray's environment and Serve's Python proxy; LLM_TEST_CLUSTER_HAPROXY=1 runs
+    # the same scenario in Serve's HAProxy mode, as make serve's single node
+    setdefault_ray_env(throughput=HAPROXY)
+    # a deleted app's ingress stays reachable this long behind HAProxy (Serve's default 30 s); it reloads in a second
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "3")
     head_args = dict(node_ip_address="127.0.0.1", num_cpus=2, num_gpus=0, resources={"head": 1}, include_dashboard=True,
                      dashboard_host="127.0.0.1", dashboard_port=free_port())
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
@@ -268,7 +276,7 @@ def check_placement(head_id: str, worker_ids: set[str]) -> list[dict]:
     engine_nodes = [a.node_id for a in actors if REPLICA_CLASS in a.class_name]
     assert sorted(engine_nodes) == sorted(p.node_id for p in seen.values()), (engine_nodes, seen)
     ingress_nodes = {a.node_id for a in actors if "Ingress" in a.class_name}
-    proxy_nodes = {a.node_id for a in actors if "ProxyActor" in a.class_name}
+    proxy_nodes = {a.node_id for a in actors if a.class_name == PROXY_CLASS}
     assert ingress_nodes == {head_id} and proxy_nodes == {head_id}, (ingress_nodes, proxy_nodes)
     return [dataclasses.asdict(p) for p in seen.values()]
 
