@@ -7,26 +7,23 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from pathlib import Path
 
 import typer
-import yaml
 from tqdm.auto import tqdm
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from core_env import restart_as_served  # the sibling script
 from loadtest.prompts import load_prompts
-from serve_app.config import AppArgs
+from serve_app.config import shipped_app_args
 
 cli = typer.Typer(add_completion=False)
-SERVE_CONFIG = Path(__file__).resolve().parent.parent / "serve_app" / "config.yaml"
 
 
 def served_engine_config(**overrides) -> EngineConfig:
     """The engine exactly as `make serve` configures it (serve_app/config.yaml, parsed as the app parses it), in this
     process."""
-    engine = AppArgs(**yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]).engine_config
+    engine = shipped_app_args().engine_config
     return engine.model_copy(update={"engine_process": False, **overrides})
 
 

@@ -22,7 +22,6 @@ import httpx
 import matplotlib
 import psutil
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -32,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bench import cpu_flags  # noqa: E402  (the sibling scripts)
 from sweep_servers import MODEL_NAME, vllm_dtype, vllm_server  # noqa: E402
 from loadtest.run import embedded_app  # noqa: E402
+from serve_app.config import shipped_app_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 console = Console()
@@ -72,8 +72,8 @@ def role_of(proc: psutil.Process, api_pid: int | None) -> str:
         return "other"
     if proc.pid == api_pid:
         return "api server"
-    for marker, role in (("ProxyActor", "proxy"), ("HAProxyManager", "proxy"), ("haproxy", "proxy"), ("Ingress", "ingress"), ("EngineReplica", "replica"),
-                         ("engine.core_process", "core"), ("VLLM::EngineCore", "core"), ("VLLM::Worker", "core")):
+    for marker, role in (("ProxyActor", "proxy"), ("HAProxyManager", "proxy"), ("haproxy", "proxy"), ("Ingress", "ingress"),
+                         ("EngineReplica", "replica"), ("engine.core_process", "core"), ("VLLM::EngineCore", "core"), ("VLLM::Worker", "core")):
         if marker in text:
             return role
     return "other"
@@ -199,7 +199,7 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
     stream_modes = [m.strip() == "stream" for m in modes.split(",")]
     results: list[Level] = []
     if only in ("", "engine"):
-        for topology in (topologies or shipped_topology()).split(","):
+        for topology in (topologies or shipped_app_args().topology).split(","):
             for proxy in proxies.split(","):
                 haproxy = proxy.strip() == "haproxy"
                 with embedded_app(throughput=haproxy, args={**json.loads(app_args), "topology": topology.strip()}) as url:
@@ -208,12 +208,6 @@ def main(levels: str = typer.Option("1,16,64,128", help="concurrent clients, com
     if only in ("", "vllm"):
         results += run_vllm(vllm_python, counts, stream_modes, warmup, seconds, max_tokens)
     report(results, out_dir)
-
-
-def shipped_topology() -> str:
-    """What `make serve` runs, so that `make bench-serving` measures the shipped app unless told otherwise."""
-    settings = yaml.safe_load((ROOT / "serve_app/config.yaml").read_text())
-    return settings["applications"][0]["args"].get("topology", "split")
 
 
 def run_vllm(vllm_python: Path, counts: list[int], modes: list[bool], warmup: float, seconds: float,

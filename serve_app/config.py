@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
@@ -93,3 +94,9 @@ class AppArgs(BaseModel):
     def replica_max_ongoing_requests(self) -> int:
         # every running and queued request holds a streaming call open on the replica
         return self.engine_config.max_num_seqs + (self.engine_config.max_waiting or 0) + 32  # so the engine, not Serve, answers overload
+
+
+def shipped_app_args() -> AppArgs:
+    """The args `make serve` runs the app with (serve_app/config.yaml), parsed as Serve's build_app parses them."""
+    config = yaml.safe_load(Path(__file__).with_name("config.yaml").read_text())
+    return AppArgs(**config["applications"][0]["args"])

@@ -10,8 +10,8 @@ from serving_cost import Level, role_of  # noqa: E402
 
 
 def test_processes_are_told_apart_by_their_command_lines_and_the_peers_api_by_its_pid():
-    names = ["ray::ProxyActor", "ray::HAProxyManager", "ray::ServeReplica:default:Ingress", "ray::ServeReplica:default:EngineReplica",
-             "engine.core_process", "VLLM::EngineCore", "VLLM::Worker_TP0", "haproxy", "raylet"]
+    names = ["ray::ProxyActor", "ray::HAProxyManager", "ray::ServeReplica:default:Ingress",
+             "ray::ServeReplica:default:EngineReplica", "engine.core_process", "VLLM::EngineCore", "VLLM::Worker_TP0", "haproxy", "raylet"]
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", name]) for name in names]
     try:
         roles = [role_of(psutil.Process(p.pid), api_pid=None) for p in procs]
