@@ -56,7 +56,7 @@ class LLM:
             raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(request_id, prompt, p)
+            self.add_request(request_id, prompt, p, final_only=True)
         finals: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
@@ -76,13 +76,14 @@ class LLM:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, tools: list[dict] | None = None,
-                    prompt_leader: str | None = None) -> None:
+                    prompt_leader: str | None = None, final_only: bool = False) -> None:
         """Validate, tokenize and enqueue (EngineInputError names the field at fault). Requests with a `cache_salt`
         share prefix-cache blocks only with requests carrying the same salt; one naming a `prompt_leader` (an
-        earlier request with the same prompt, as the choices of n > 1 are) shares that request's prompt blocks."""
+        earlier request with the same prompt, as the choices of n > 1 are) shares that request's prompt blocks.
+        With `final_only`, `step` reports the request once, finished."""
         request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, tools=tools,
                                       prompt_leader=prompt_leader)
-        self.outputs.add(request)
+        self.outputs.add(request, final_only)
         try:
             self.core.add(request)
         except BaseException:

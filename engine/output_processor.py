@@ -54,6 +54,7 @@ class RequestText:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     sent_text_len: int = 0
     sent_token_len: int = 0
+    final_only: bool = False  # one output, at the end (vLLM's RequestOutputKind.FINAL_ONLY)
 
 
 class OutputProcessor:
@@ -62,8 +63,10 @@ class OutputProcessor:
         self.eos_token_ids = set(eos_token_ids)
         self.requests: dict[str, RequestText] = {}
 
-    def add(self, request: EngineRequest) -> None:
-        """Track a request before the core can answer for it; EngineInputError for an id already in flight."""
+    def add(self, request: EngineRequest, final_only: bool = False) -> None:
+        """Track a request before the core can answer for it; EngineInputError for an id already in flight.
+        `final_only`: its reader wants the finished output alone (a whole answer, not a stream), so no output is made
+        or delivered for its steps before that, where each one cost a copy of the totals and a reader's wake-up."""
         check_admission(request.request_id, self.requests)
         params = request.params
         self.requests[request.request_id] = RequestText(
@@ -72,6 +75,7 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
             logprobs=[] if params.logprobs is not None else None,
+            final_only=final_only,
         )
 
     def forget(self, request_id: str) -> None:
@@ -95,6 +99,8 @@ class OutputProcessor:
                 ended[out.request_id] = reason
             if reason is not None:
                 del self.requests[out.request_id]
+            elif request.final_only:
+                continue
             results.append(self._output(out, request, reason, error))
         return results, ended
 

@@ -84,7 +84,8 @@ class EngineReplica:
                 engine_id = f"{job.request_id}#{uuid.uuid4().hex[:12]}"
                 leader = streams[0].request_id if streams else None
                 streams.append(self.frontend.add_request(engine_id, token_ids, _choice_params(job.params, index),
-                                                       cache_salt=job.cache_salt, prompt_leader=leader))
+                                                       cache_salt=job.cache_salt, prompt_leader=leader,
+                                                       final_only=job.stream_interval is None))
             return streams, token_ids
         except Exception as exc:
             for stream in streams:

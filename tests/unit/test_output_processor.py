@@ -103,3 +103,23 @@ def test_a_request_whose_text_fails_ends_alone_and_the_core_is_told_to_abort_it(
     assert ended == {"bad": "abort"}  # an error, not a stop string: the core ends it as one
     assert good.error is None and good.text == "fine" and good.finish_reason is None
     assert processor.process([core(tokens, request_id="bad")]) == ([], {})
+
+
+def test_a_final_only_request_is_reported_once_finished_with_the_same_text_and_tokens_as_a_stream(tokenizer):
+    tokens = ids_of(tokenizer, "Hello world 🐉 and a STOP here")
+    streamed = start(tokenizer, "s", stop=["STOP"], logprobs=0)
+    whole = OutputProcessor(tokenizer, [EOS])
+    whole.add(EngineRequest("w", ids_of(tokenizer, "Say:"), SamplingParams(stop=["STOP"], logprobs=0), 64, 0.0), final_only=True)
+    streams, finals = [], []
+    for token in tokens:
+        outputs, ended = streamed.process([CoreOutput("s", [token], RequestMetrics(0.0), None, None, [{token: -1.0}])])
+        streams += outputs
+        outputs, ended_whole = whole.process([CoreOutput("w", [token], RequestMetrics(0.0), None, None, [{token: -1.0}])])
+        finals += outputs
+        assert ended_whole == {"w": "stop"} if ended else not ended_whole
+        if ended:
+            break
+    assert len(streams) > 1 and len(finals) == 1 and finals[0].finish_reason == "stop"
+    last = streams[-1]
+    assert (finals[0].text, finals[0].token_ids, finals[0].logprobs) == (last.text, last.token_ids, last.logprobs)
+    assert finals[0].delta_text == finals[0].text == "Hello world 🐉 and a " and whole.requests == {}
