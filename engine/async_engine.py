@@ -50,6 +50,12 @@ class RequestStream:
             items.append(item)
         return items
 
+    def hold(self, num_tokens: int) -> None:
+        """No output before the request has `num_tokens` tokens, or ends: this reader would not send it yet (a
+        stream's chunk of several tokens), and each one costs the front end a copy of the totals and this task a
+        wake-up."""
+        self._engine.outputs.hold(self.request_id, num_tokens)
+
     def __aiter__(self) -> "RequestStream":
         return self
 

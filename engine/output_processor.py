@@ -5,6 +5,7 @@ tokenizer is not shareable across threads): the core's thread in-process, the re
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from engine.core_messages import CoreOutput, EngineRequest
@@ -54,7 +55,7 @@ class RequestText:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     sent_text_len: int = 0
     sent_token_len: int = 0
-    final_only: bool = False  # one output, at the end (vLLM's RequestOutputKind.FINAL_ONLY)
+    output_at: float = 0  # no output before this many tokens but the last (vLLM's FINAL_ONLY: never before it)
 
 
 class OutputProcessor:
@@ -75,8 +76,15 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
             logprobs=[] if params.logprobs is not None else None,
-            final_only=final_only,
+            output_at=math.inf if final_only else 0,
         )
+
+    def hold(self, request_id: str, num_tokens: int) -> None:
+        """Make no output for the request before it has `num_tokens` tokens, or ends: its reader would only wait for
+        more (a stream's next chunk). Safe from the reader's thread: a late hold costs one early output, never one."""
+        request = self.requests.get(request_id)
+        if request is not None and num_tokens > request.output_at:
+            request.output_at = num_tokens
 
     def forget(self, request_id: str) -> None:
         """A request the core never took."""
@@ -99,7 +107,7 @@ class OutputProcessor:
                 ended[out.request_id] = reason
             if reason is not None:
                 del self.requests[out.request_id]
-            elif request.final_only:
+            elif len(request.token_ids) < request.output_at:
                 continue
             results.append(self._output(out, request, reason, error))
         return results, ended

@@ -115,7 +115,9 @@ class EngineReplica:
                     prompt_scores = await asyncio.get_running_loop().run_in_executor(
                         self._tokenizer_thread, self._prompt_logprobs, last, job.params.prompt_logprobs)
                 waits_for_scores = job.params.prompt_logprobs is not None and prompt_scores is None
-                if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], self._interval(job)):
+                interval = self._interval(job)
+                if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], interval):
+                    _hold(streams[index], sent_tokens[index], interval)
                     continue  # a later choice waits for the first one's prompt scores (they come first in practice)
                 delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
                 if prompt_scores is not None and not scores_sent:  # once for all n: each copy cost the ingress 40 ms
@@ -123,6 +125,7 @@ class EngineReplica:
                 if all(sent is None for sent in sent_tokens):  # the request's first chunk
                     self.signals.first_token(time.monotonic() - started)
                 sent_tokens[index], held_text[index] = len(last.token_ids), ""
+                _hold(streams[index], sent_tokens[index], interval)
                 yield delta
         finally:
             for stream in streams:
@@ -237,6 +240,13 @@ async def _each_choice(streams: list[RequestStream]):
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _hold(stream: RequestStream, sent_tokens: int | None, stream_interval: int | None) -> None:
+    """Wake this choice's reader next when its next chunk is due by the interval as it stands (it may change before
+    then: `_due` decides when it wakes), or at the end."""
+    if sent_tokens is not None and stream_interval is not None:
+        stream.hold(sent_tokens + stream_interval)
 
 
 def _due(last: RequestOutput, sent_tokens: int | None, stream_interval: int | None) -> bool:

@@ -41,6 +41,21 @@ async def test_stream_deltas_add_up_to_the_offline_result(engine):
     assert outs[-1].num_prompt_tokens == len(outs[-1].prompt_token_ids)
 
 
+async def test_a_reader_that_holds_its_stream_is_woken_less_often_and_a_whole_answer_once(engine):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    every_step = [o async for o in engine.generate(CHAT, params, "unheld")]
+    held = []
+    async for output in (stream := engine.add_request("held", CHAT, params)):
+        held.append(output)
+        stream.hold(len(output.token_ids) + 6)  # as a replica's reader does for chunks of 6 tokens
+    whole = [o async for o in engine.add_request("whole", CHAT, params, final_only=True)]
+    assert len(every_step) == 24 and len(whole) == 1
+    assert len(held) <= 24 // 2  # 1 + 23 / 6 chunks, and a few early outputs where a hold came after the next step
+    for outputs in (held, whole):
+        assert outputs[-1].token_ids == every_step[-1].token_ids and outputs[-1].text == every_step[-1].text
+        assert "".join(o.delta_text for o in outputs) == outputs[-1].text
+
+
 async def test_concurrent_requests_each_get_their_own_answer(engine):
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in range(6)]

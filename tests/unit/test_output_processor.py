@@ -123,3 +123,18 @@ def test_a_final_only_request_is_reported_once_finished_with_the_same_text_and_t
     last = streams[-1]
     assert (finals[0].text, finals[0].token_ids, finals[0].logprobs) == (last.text, last.token_ids, last.logprobs)
     assert finals[0].delta_text == finals[0].text == "Hello world 🐉 and a " and whole.requests == {}
+
+
+def test_a_held_request_gets_no_output_before_the_count_its_reader_waits_for_and_its_deltas_still_add_up(tokenizer):
+    processor = start(tokenizer)
+    tokens = ids_of(tokenizer, "one two three four five six seven eight")
+    assert len(tokens) >= 6
+    outputs = processor.process([core(tokens[:1])])[0]
+    processor.hold("r", 4)
+    processor.hold("r", 2)  # a late, lower hold (a stale reader's) never brings an output earlier
+    for token in tokens[1:5]:
+        outputs += processor.process([core([token])])[0]
+    assert [len(o.token_ids) for o in outputs] == [1, 4, 5]  # held until 4; no new hold after it: every step
+    outputs += processor.process([core(tokens[5:], "length")])[0]  # the end comes whatever the hold
+    processor.hold("r", 100)  # ended: nothing to hold
+    assert "".join(o.delta_text for o in outputs) == outputs[-1].text == tokenizer.decode(tokens)
