@@ -81,7 +81,7 @@ class OutputProcessor:
 
     def hold(self, request_id: str, num_tokens: int) -> None:
         """Make no output for the request before it has `num_tokens` tokens, or ends: its reader would only wait for
-        more (a stream's next chunk). Safe from the reader's thread: a late hold costs one early output, never one."""
+        more (a stream's next chunk). Safe from the reader's thread: a late hold costs one early output, never a late one."""
         request = self.requests.get(request_id)
         if request is not None and num_tokens > request.output_at:
             request.output_at = num_tokens

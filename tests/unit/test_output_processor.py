@@ -21,14 +21,15 @@ def ids_of(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def start(tokenizer, request_id: str = "r", **params) -> OutputProcessor:
+def start(tokenizer, request_id: str = "r", final_only: bool = False, **params) -> OutputProcessor:
     processor = OutputProcessor(tokenizer, [EOS])
-    processor.add(EngineRequest(request_id, ids_of(tokenizer, "Say:"), SamplingParams(**params), 64, 0.0))
+    processor.add(EngineRequest(request_id, ids_of(tokenizer, "Say:"), SamplingParams(**params), 64, 0.0), final_only)
     return processor
 
 
-def core(tokens: list[int], finish: str | None = None, request_id: str = "r", error: str | None = None) -> CoreOutput:
-    return CoreOutput(request_id, tokens, RequestMetrics(0.0), finish, error)
+def core(tokens: list[int], finish: str | None = None, request_id: str = "r", error: str | None = None,
+         logprobs: list[dict[int, float]] | None = None) -> CoreOutput:
+    return CoreOutput(request_id, tokens, RequestMetrics(0.0), finish, error, logprobs)
 
 
 def test_one_token_at_a_time_the_deltas_add_up_to_the_text_and_hold_no_broken_character(tokenizer):
@@ -108,13 +109,12 @@ def test_a_request_whose_text_fails_ends_alone_and_the_core_is_told_to_abort_it(
 def test_a_final_only_request_is_reported_once_finished_with_the_same_text_and_tokens_as_a_stream(tokenizer):
     tokens = ids_of(tokenizer, "Hello world 🐉 and a STOP here")
     streamed = start(tokenizer, "s", stop=["STOP"], logprobs=0)
-    whole = OutputProcessor(tokenizer, [EOS])
-    whole.add(EngineRequest("w", ids_of(tokenizer, "Say:"), SamplingParams(stop=["STOP"], logprobs=0), 64, 0.0), final_only=True)
+    whole = start(tokenizer, "w", final_only=True, stop=["STOP"], logprobs=0)
     streams, finals = [], []
     for token in tokens:
-        outputs, ended = streamed.process([CoreOutput("s", [token], RequestMetrics(0.0), None, None, [{token: -1.0}])])
+        outputs, ended = streamed.process([core([token], request_id="s", logprobs=[{token: -1.0}])])
         streams += outputs
-        outputs, ended_whole = whole.process([CoreOutput("w", [token], RequestMetrics(0.0), None, None, [{token: -1.0}])])
+        outputs, ended_whole = whole.process([core([token], request_id="w", logprobs=[{token: -1.0}])])
         finals += outputs
         assert ended_whole == {"w": "stop"} if ended else not ended_whole
         if ended:
