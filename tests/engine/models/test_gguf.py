@@ -1,6 +1,8 @@
 """GGUF weights kept in their blocks: read exactly (the embedded Q4_1 file against its converted checkpoint; each
 block type against the `gguf` library's own dequantizer), refused by name where unsupported, and the block kernels
 against the dequantized fp32 matmul. Greedy output on the blocks is in tests/engine/test_gguf_generation.py."""
+from concurrent.futures import ThreadPoolExecutor
+
 import gguf
 import numpy as np
 import pytest
@@ -120,13 +122,19 @@ ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-av
 BUILT_ELSEWHERE = [isa for isa in ISA_VARIANTS if not (isa == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2")]
 
 
+@pytest.fixture(scope="module")
+def isa_variants() -> dict:
+    """Every variant built at once: a build is one compiler process (about 30 s, mostly torch's headers), so on two
+    cores both take the time of one."""
+    with ThreadPoolExecutor(len(BUILT_ELSEWHERE)) as pool:
+        return dict(zip(BUILT_ELSEWHERE, pool.map(lambda isa: build_block_matmul(ISA_VARIANTS[isa]), BUILT_ELSEWHERE)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", BUILT_ELSEWHERE)
-def test_the_avx2_and_portable_kernels_equal_the_dequantized_fp32_matmul(isa):
+def test_the_avx2_and_portable_kernels_equal_the_dequantized_fp32_matmul(isa, isa_variants):
     """Built here with AVX-512 (and AVX2) switched off, so the paths other CPUs take are checked on this one too."""
-    from engine.cpu_kernels import build_block_matmul
-
-    kernels = build_block_matmul(ISA_VARIANTS[isa])
+    kernels = isa_variants[isa]
     for kind in ("q4", "q8"):
         for rows in (1, 4, 6):
             blocks = random_blocks(kind, 40, 128, seed=rows)
