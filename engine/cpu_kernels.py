@@ -35,10 +35,10 @@ def cpu_features_tag() -> str:
 
 
 # One translation unit, in this order: the decoder (last) calls the others' kernels directly.
-UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "paged_attention_cpu.cpp", "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp",
-        "decoder_cpu.cpp")
-FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "q4_matmul", "q8_matmul",
-             "interleaved_rows", "decode_layers"]
+UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
+        "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp", "decoder_cpu.cpp")
+FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "paged_prefill",
+             "has_bf16_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers"]
 
 
 @functools.cache
@@ -86,6 +86,16 @@ def fused_ops():
 def paged_decode_op():
     """The kernel, or None (logged) where it is unavailable: what attention_backend='auto' uses."""
     return _built_or_none(build_paged_decode, "C++ paged attention", "the torch path")
+
+
+def paged_prefill_op(dtype, head_dim: int, block_size: int):
+    """The bf16 prefill kernel where this CPU has AVX512-BF16 and the model and pool fit it, else None (SDPA)."""
+    import torch
+
+    if dtype != torch.bfloat16 or head_dim not in (64, 128) or block_size % 16:
+        return None
+    kernels = _built_or_none(build_kernels, "C++ prefill attention", "SDPA")
+    return kernels.paged_prefill if kernels is not None and kernels.has_bf16_prefill() else None
 
 
 def _built_or_none(build, what: str, fallback: str):

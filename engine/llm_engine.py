@@ -14,12 +14,12 @@ from engine.attention_backend import choose_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
-from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op
+from engine.cpu_kernels import build_paged_decode, fused_ops, paged_decode_op, paged_prefill_op
 from engine.engine_stats import EngineStats
 from engine.host_memory import keep_freed_memory
 from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
-from engine.model_runner import ModelRunner, StepLogits
+from engine.model_runner import ModelRunner, StepLogits, kv_geometry
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN
@@ -55,10 +55,12 @@ class LLMEngine:
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None
         write_kv = fused.write_kv if fused is not None else None
+        prefill_kernel = None if decode_kernel is None else \
+            paged_prefill_op(self.dtype, kv_geometry(self.model.config)[2], config.block_size)
         self.phases = PhaseTimer(cuda=self.device.type == "cuda")
         self.gc_pauses = GcPauses()
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
-                                  self.phases, triton=self.attention_backend == "triton")
+                                  self.phases, triton=self.attention_backend == "triton", prefill_kernel=prefill_kernel)
         self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
         # bitsandbytes' NF4/int8 kernels have never been captured here on a GPU: eager until measured
         if self.device.type == "cuda" and not config.enforce_eager and self.model.impl == "native" \
@@ -303,6 +305,7 @@ class LLMEngine:
             "long_prefill_token_threshold": self.scheduler.long_prefill_token_threshold,
             "max_model_len": self.max_model_len,
             "decode_kernel": self.runner.decode_kernel is not None,
+            "prefill_kernel": self.runner.prefill_kernel is not None,
             "attention_backend": self.attention_backend,
             "cuda_graphs": self.runner.graphs.buckets if self.runner.graphs is not None and self.runner.graphs.graphs else None,
             "device": self.device.type,

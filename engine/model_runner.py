@@ -51,7 +51,8 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: Model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
-                 decode_kernel=None, write_kv=None, phases: PhaseTimer | None = None, triton: bool = False):
+                 decode_kernel=None, write_kv=None, phases: PhaseTimer | None = None, triton: bool = False,
+                 prefill_kernel=None):
         self.model = model
         self.triton = triton  # attention on the Triton kernels (engine/layers/triton_attention.py)
         self.num_splits_for = None  # the decode kernel's split rule, where Triton runs (triton is imported only there)
@@ -64,6 +65,7 @@ class ModelRunner:
         self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
         self.decode_kernel = decode_kernel
         self.write_kv = write_kv
+        self.prefill_kernel = prefill_kernel
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -171,7 +173,8 @@ class ModelRunner:
             table = self._tensor(seq.block_table[: -(-context_len // self.block_size)])
             prefills.append(PrefillChunk(start, start + num_new, context_len, table))
             start += num_new
-        return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, prefills, self.write_kv, self.kv_cache)
+        return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, prefills, self.write_kv, self.kv_cache,
+                                 prefill_kernel=self.prefill_kernel)
 
     def _prefill_batch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> PrefillBatch | None:
         if not seqs:

@@ -74,6 +74,7 @@ class AttentionMetadata:
     kv_pool: torch.Tensor | None = None  # the pool kv_layers are views of, [layers, 2, kv_heads, blocks, block_size, D]
     prefill_batch: PrefillBatch | None = None  # set where the Triton kernels run: then they do all of a layer
     triton: bool = False
+    prefill_kernel: Callable | None = None  # the bf16 CPU prefill op (engine.cpu_kernels); None: SDPA
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_layers[layer]
@@ -105,7 +106,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache:
     if meta.decode is not None:
         out[: meta.decode.size] = _decode(query[: meta.decode.size], k_cache, v_cache, meta.decode, scaling)
     for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = _prefill(query, key, value, k_cache, v_cache, chunk, scaling)
+        if meta.prefill_kernel is not None:
+            out[chunk.start : chunk.end] = _prefill_kernel(meta.prefill_kernel, query, k_cache, v_cache, chunk, scaling)
+        else:
+            out[chunk.start : chunk.end] = _prefill(query, key, value, k_cache, v_cache, chunk, scaling)
     return out
 
 
@@ -151,6 +155,15 @@ def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling: 
         mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+def _prefill_kernel(kernel: Callable, query, k_cache, v_cache, chunk: PrefillChunk, scaling: float) -> torch.Tensor:
+    """The chunk from the pool, where its K/V were just written. The kernel takes rows of [heads, D] at any stride
+    (the fused QKV's); transformers' layout is copied into that first."""
+    q = query[chunk.start : chunk.end]
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    return kernel(q, k_cache, v_cache, chunk.block_table, chunk.context_len, scaling)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cpu_kernels import build_fused_ops, build_paged_decode
+from engine.cpu_kernels import build_fused_ops, build_paged_decode, paged_prefill_op
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk, attend
 
 
@@ -68,7 +68,8 @@ def paged_attention_op(query, key, value, kv_pool, layer, slot_mapping, decode_t
         decode = DecodeBatch(decode_tables, decode_lens, block_size, build_paged_decode() if kernels else None)
     prefills = [PrefillChunk(start, end, context_len, table[: -(-context_len // block_size)])
                 for (start, end, context_len), table in zip(prefill_spans.tolist(), prefill_tables)]
-    meta = AttentionMetadata([], slot_mapping, decode, prefills, build_fused_ops().write_kv if kernels else None)
+    meta = AttentionMetadata([], slot_mapping, decode, prefills, build_fused_ops().write_kv if kernels else None,
+                             prefill_kernel=paged_prefill_op(query.dtype, query.shape[-1], block_size) if kernels else None)
     return attend(query, key, value, k_cache, v_cache, meta, scaling)
 
 

@@ -124,3 +124,87 @@ def test_the_cpp_kernels_refuse_tables_and_positions_outside_their_buffers():
     fused.rotary_inplace(qkv, torch.tensor([0, 5, 15]), cos, sin, 4, 64)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         fused.rotary_inplace(qkv, torch.tensor([0, 5, 16]), cos, sin, 4, 64)
+
+
+def bf16_prefill_kernel():
+    """The bf16 prefill kernel, or a skip where this CPU has no AVX512-BF16 (SDPA serves there)."""
+    if not cpu_kernels.have_compiler():
+        pytest.skip("no C++ compiler on this machine")
+    kernels = cpu_kernels.build_kernels()
+    if not kernels.has_bf16_prefill():
+        pytest.skip("this CPU has no AVX512-BF16: prefill attention runs on SDPA")
+    return kernels.paged_prefill
+
+
+def reference_prefill(q, k_cache, v_cache, table, context_len, dtype=torch.float32):
+    """SDPA over the sequence's context gathered from the pool, each of the n rows causal at its own position."""
+    kv_heads, _, block_size, head_dim = k_cache.shape
+    k = k_cache[:, table].reshape(kv_heads, -1, head_dim)[:, :context_len].to(dtype)
+    v = v_cache[:, table].reshape(kv_heads, -1, head_dim)[:, :context_len].to(dtype)
+    rows = torch.arange(context_len - q.shape[0], context_len).unsqueeze(1)
+    mask = torch.arange(context_len).unsqueeze(0) <= rows
+    return F.scaled_dot_product_attention(q.transpose(0, 1).to(dtype), k, v, attn_mask=mask, scale=head_dim ** -0.5,
+                                          enable_gqa=True).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size,heads,kv_heads", [(16, 9, 3), (32, 8, 8), (16, 8, 1)])
+def test_the_bf16_prefill_kernel_matches_sdpa_over_cached_contexts(head_dim, block_size, heads, kv_heads):
+    """Chunks with and without a cached context, lengths off the 16-row tiles and 16-key steps, a shuffled block
+    table, and the query a strided view (rows of a fused QKV, as the native model passes it). The kernel's error
+    against fp32 is bounded by bf16 SDPA's own (its weights are rounded to bf16 as torch's flash kernel rounds them)."""
+    kernel = bf16_prefill_kernel()
+    g = torch.Generator().manual_seed(head_dim + block_size + heads)
+    num_blocks = 40
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(torch.bfloat16)
+                        for _ in range(2))
+    for n, context_len in [(1, 1), (7, 7), (16, 16), (37, 37), (1, 50), (5, 40), (100, 333), (256, 256)]:
+        table = torch.randperm(num_blocks, generator=g)[: -(-context_len // block_size)]
+        fused = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=g).to(torch.bfloat16)
+        q = fused[:, :heads]
+        got = kernel(q, k_cache, v_cache, table, context_len, head_dim ** -0.5).float()
+        want = reference_prefill(q, k_cache, v_cache, table, context_len)
+        sdpa_error = (reference_prefill(q, k_cache, v_cache, table, context_len, torch.bfloat16) - want).abs().max()
+        error = (got - want).abs().max()
+        assert got.shape == (n, heads, head_dim)
+        assert error <= 1.5 * sdpa_error + 2e-3, f"n {n}, context {context_len}: error {error:.4f}, SDPA's {sdpa_error:.4f}"
+
+
+def test_the_bf16_prefill_kernel_refuses_what_it_cannot_read():
+    kernel = bf16_prefill_kernel()
+    k, v = (c.to(torch.bfloat16) for c in random_pool(8, 64, torch.float32))
+    q = torch.randn(20, HEADS, 64).to(torch.bfloat16)
+    kernel(q, k, v, torch.tensor([0, 1]), 20, 0.125)  # in bounds
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel(q, k, v, torch.tensor([0, 8]), 20, 0.125)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        kernel(q, k, v, torch.tensor([0, 1]), 33, 0.125)
+    with pytest.raises(RuntimeError, match="a chunk of 20 tokens in a context of 19"):
+        kernel(q, k, v, torch.tensor([0, 1]), 19, 0.125)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernel(q.float(), k.float(), v.float(), torch.tensor([0, 1]), 20, 0.125)
+
+
+@pytest.mark.slow
+def test_a_bf16_engine_prefills_on_the_kernel_and_scores_prompts_as_sdpa_does():
+    """The embedded model in bf16, a 300-token prompt in chunks of 64 (each after the first reads a cached
+    context): prompt logprobs on the kernel against the same engine on SDPA."""
+    from engine import LLM, SamplingParams
+
+    bf16_prefill_kernel()
+    llm = LLM(dtype="bfloat16", num_kv_blocks=128, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert llm.engine.settings()["prefill_kernel"]
+    prompt = " ".join(f"item {i} costs {i * 7 % 13} coins;" for i in range(50))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+
+    def scores():
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        return torch.tensor([scored[token] for scored, token in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])])
+
+    on_kernel = scores()
+    kernel, llm.engine.runner.prefill_kernel = llm.engine.runner.prefill_kernel, None
+    on_sdpa = scores()
+    llm.engine.runner.prefill_kernel = kernel
+    assert len(on_kernel) > 250
+    difference = (on_kernel - on_sdpa).abs()
+    assert difference.mean() < 0.05 and difference.max() < 1.0, (difference.mean(), difference.max())
