@@ -1,0 +1,25 @@
+"""benchmarks/long_prefill.py runs end to end at toy lengths (vLLM left out), timing the kernel and SDPA alike."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import cpu_kernels
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_long_prefill_benchmark_times_each_path_at_each_length(tmp_path):
+    run = subprocess.run([sys.executable, "benchmarks/long_prefill.py", "--lengths", "40,300", "--runs", "2",
+                          "--vllm-python", "", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    report = json.loads(next(tmp_path.glob("long-prefill-*.json")).read_text())
+    kernel = cpu_kernels.have_compiler() and cpu_kernels.build_kernels().has_bf16_prefill()
+    assert set(report["seconds"]) == ({"engine, kernel", "engine, SDPA"} if kernel else {"engine, SDPA"})
+    for by_length in report["seconds"].values():
+        assert set(by_length) == {"40", "300"} and all(len(s) == 2 and min(s) > 0 for s in by_length.values())
+    assert next(tmp_path.glob("long-prefill-*.png")).stat().st_size > 0
