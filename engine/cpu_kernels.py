@@ -1,5 +1,6 @@
-"""The C++ CPU kernels (decode attention; matmuls over GGUF blocks; fused per-layer ops; every decoder layer of a
-decode step in one call), compiled once on first use into one module and cached by torch.
+"""The C++ CPU kernels (decode attention; bf16 prefill attention on AVX512-BF16; matmuls over GGUF blocks; fused
+per-layer ops; every decoder layer of a decode step in one call), compiled once on first use into one module and
+cached by torch.
 
 Without a C++ compiler, attention falls back to the device-agnostic torch path. With one, a failed build is an
 error (`build_paged_decode` raises), so a broken kernel can never pass for a missing compiler.
