@@ -201,5 +201,6 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor k_cache, torch::T
   return out;
 #else
   TORCH_CHECK(false, "paged_prefill needs AVX512-BF16; this build has none (has_bf16_prefill() is false)");
+  return query;
 #endif
 }
