@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-check gpu-wheels min-versions setup model serve stop test test-fast bench bench-peers bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: gpu-check gpu-wheels min-versions setup model serve stop test test-fast bench bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -112,6 +112,10 @@ eval: model
 
 bench-peers: model $(PEERS)/.installed
 	$(PY) benchmarks/bench.py --vllm-python $(PEERS)/bin/python $(ARGS)
+
+# one long prompt alone, by length: the engine's prefill on its kernel and on SDPA, against vLLM's CPU build
+bench-prefill: model $(PEERS)/.installed
+	$(PY) benchmarks/long_prefill.py --vllm-python $(PEERS)/bin/python $(ARGS)
 
 # serving CPU per 1,000 output tokens by process, at 1-128 clients, streamed and not, this app against vLLM's server
 bench-serving: model $(PEERS)/.installed
