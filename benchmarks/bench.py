@@ -8,8 +8,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,6 +25,7 @@ from engine.config import DEFAULT_MODEL
 from engine.metrics import PrometheusSink, StepMetrics
 from engine.models import resolve_model_path
 from core_env import restart_as_served  # the sibling script
+from vllm_script import run_vllm_script  # the sibling script
 from workload import WORKLOADS, Request  # the sibling script
 
 app = typer.Typer(add_completion=False)
@@ -87,17 +86,7 @@ def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, 
         return tokenizer.encode(text, add_special_tokens=False)
 
     workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens} for r in requests]
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(workload, f)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
-    script = Path(__file__).resolve().parent / "vllm_peer.py"
-    proc = subprocess.run([str(python), str(script), resolve_model_path(model), f.name, str(runs), dtype],
-                          env=env, stdout=subprocess.PIPE, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}); run it by hand: {python} {script}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_vllm_script(python, "vllm_peer.py", resolve_model_path(model), workload, [str(runs), dtype], threads)
 
 
 def summarize(results: list[dict]) -> dict:

@@ -7,10 +7,7 @@ python benchmarks/long_prefill.py --lengths 256,1024,2048,4096,6144 --runs 3
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +18,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from core_env import restart_as_served  # the sibling script
+from vllm_script import run_vllm_script  # the sibling script
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL
 from engine.models import resolve_model_path
@@ -54,17 +52,9 @@ def engine_seconds(prompts: list[list[int]], runs: int, dtype: str, chunk: int) 
 
 
 def vllm_seconds(prompts: list[list[int]], runs: int, dtype: str, chunk: int, python: Path, threads: int) -> dict[int, list[float]]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
-    script = Path(__file__).with_name("vllm_prefill_peer.py")
-    proc = subprocess.run([str(python), str(script), resolve_model_path(DEFAULT_MODEL), f.name, str(runs), dtype,
-                           str(chunk)], env=env, stdout=subprocess.PIPE, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}); run it by hand: {python} {script}")
-    return {int(n): s for n, s in json.loads(lines[-1][len("RESULT "):]).items()}
+    seconds = run_vllm_script(python, "vllm_prefill_peer.py", resolve_model_path(DEFAULT_MODEL), prompts,
+                              [str(runs), dtype, str(chunk)], threads)
+    return {int(n): s for n, s in seconds.items()}
 
 
 def plot(table: dict[str, dict[int, float]], path: Path, title: str) -> None:

@@ -185,10 +185,8 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor k_cache, torch::T
   TORCH_CHECK(heads % kv_heads == 0 && block_size % prefill::kTile == 0 && k_cache.size(3) == head_dim, "pool geometry");
   TORCH_CHECK(n >= 1 && context_len >= n, "a chunk of ", n, " tokens in a context of ", context_len);
   auto table = block_table.to(torch::kLong).contiguous();
-  TORCH_CHECK(table.numel() * block_size >= context_len, "context length ", context_len, " outside its block table");
+  check_block_tables(table.view({1, -1}), torch::tensor({context_len}), num_blocks, block_size);  // paged_attention_cpu.cpp
   const int64_t* ids = table.data_ptr<int64_t>();
-  for (int64_t j = 0, used = (context_len + block_size - 1) / block_size; j < used; ++j)
-    TORCH_CHECK(ids[j] >= 0 && ids[j] < num_blocks, "block id ", ids[j], " outside the pool of ", num_blocks);
   auto out = torch::empty({n, heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
   const prefill::Chunk chunk{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), n, heads,
                     heads / kv_heads, context_len, block_size, num_blocks,
