@@ -59,7 +59,8 @@ QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
 SIZES = {
     # every case marked gpu, and the kernel tests (which run on CUDA where there is one); none needs the embedded model
     "cuda": Sizes(QWEN_1_5B, 151936, [1, 32, 128, 256], 32, 128, 64, 4096, 256, 4096, None,
-                  ["tests/engine/kernels/test_triton_attention.py", "tests/engine/test_synthetic_models.py",
+                  ["tests/engine/kernels/test_triton_attention.py", "tests/engine/kernels/test_triton_fused_ops.py",
+                   "tests/engine/test_synthetic_models.py",
                    "tests/engine/test_cuda_graphs.py", "-m", "gpu or not slow", "-p", "no:cacheprovider"]),
     "cpu": Sizes(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1000000.0,

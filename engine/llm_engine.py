@@ -48,6 +48,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = choose_attention_backend(config, self.device.type)  # refused before the weights load
         self.model = load_model(config, self.device, self.dtype)
+        if self.attention_backend == "triton" and self.model.impl == "native":
+            from engine.kernels.triton.fused_ops import TritonFusedOps  # imports triton: only where it runs
+
+            self.model.use_fused_ops(TritonFusedOps())  # norms, rotary and SiLU-and-mul: one kernel each
         self.tokenizer = load_tokenizer(config)  # the core's only use of it: the grammars' vocabulary and EOS ids
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.vocab_size

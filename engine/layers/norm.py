@@ -11,7 +11,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.fused = None  # engine.cpu_kernels.fused_ops(), set by the model on CPU
+        self.fused = None  # C++ or Triton fused ops, set by the model (LlamaForCausalLM.use_fused_ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (norm(x + residual), x + residual); the sum is the next residual. Computed in fp32, as HF does."""

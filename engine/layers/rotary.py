@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype, fused=None) -> "StepRope":
         """This step's rotary inputs, shared by every layer: cos and sin [T, 1, D/2] at each token's position, looked
-        up once; or, with the fused CPU op, the positions and the fp32 tables it indexes itself."""
+        up once; or, with fused ops, the positions and the fp32 tables they index themselves."""
         if fused is not None:
             return StepRope(self.cos, self.sin, positions, fused)
         return StepRope(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
@@ -49,7 +49,7 @@ class StepRope:
     cos: torch.Tensor
     sin: torch.Tensor
     positions: torch.Tensor | None = None
-    fused: object = None  # engine.cpu_kernels.fused_ops()
+    fused: object = None  # the C++ or Triton fused ops (LlamaForCausalLM.use_fused_ops)
 
     def rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, D] and k [T, kv_heads, D], views at the start of the merged projection qkv, rotated."""

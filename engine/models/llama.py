@@ -116,7 +116,7 @@ class LlamaModel(nn.Module):
         on GGUF blocks where every linear holds them, on packed dense weights where every linear has them.
         -> whether it is on."""
         linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
-        on = enabled and self.fused is not None
+        on = enabled and getattr(self.fused, "decode_layers", None) is not None
         self.native_weights = _all_layers(self.layers, _block_weights) if on and all(m.blocks is not None for m in linears) else None
         self.native_dense_weights = _all_layers(self.layers, _packed_weights) if on and all(m.packed is not None for m in linears) else None
         return self.native_weights is not None or self.native_dense_weights is not None
@@ -213,8 +213,9 @@ class LlamaForCausalLM(nn.Module):
                 module.block_rows = rows
 
     def use_fused_ops(self, fused) -> None:
-        """Run norms, rotary and SiLU-and-mul as one C++ call each (`engine.cpu_kernels.fused_ops()`), and
-        decode steps as one call for all layers; None: torch ops."""
+        """Run norms, rotary and SiLU-and-mul as one call each: C++ on CPU (`engine.cpu_kernels.fused_ops()`, which
+        also runs decode steps as one call for all layers), Triton where attention does
+        (`engine.kernels.triton.fused_ops.TritonFusedOps`); None: torch ops."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, LlamaModel)):
                 module.fused = fused

@@ -17,6 +17,7 @@ CASES = [("bfloat16", 128, 7), ("float16", 64, 1), ("float32", 80, 3)]
 def launches(dtype: torch.dtype, head_dim: int, group: int) -> dict:
     """The engine's launches on tensors of the right dtypes and shapes (tiny, never run)."""
     from engine.kernels.triton.decode import decode_launches
+    from engine.kernels.triton.fused_ops import add_rms_norm_launch, rotary_launch, silu_and_mul_launch
     from engine.kernels.triton.kv_write import write_kv_launch
     from engine.kernels.triton.prefill import prefill_launch
 
@@ -25,12 +26,19 @@ def launches(dtype: torch.dtype, head_dim: int, group: int) -> dict:
     query = torch.zeros(batch, kv_heads * group, head_dim, dtype=dtype)
     tables, lens = torch.zeros(batch, 2, dtype=torch.long), torch.ones(batch, dtype=torch.long)
     split = decode_launches(query, cache, cache, tables, lens, 0.1, 4, query)
+    hidden = torch.zeros(batch, 12 * head_dim, dtype=dtype)  # a hidden size off powers of two
+    qkv = torch.zeros(batch, (group + 2) * kv_heads * head_dim, dtype=dtype)
+    table = torch.zeros(64, head_dim // 2)
     return {
         "kv_write": write_kv_launch(cache, cache, query[:, :kv_heads], query[:, :kv_heads], lens),
         "decode": decode_launches(query, cache, cache, tables, lens, 0.1, 1, query)[0],
         "decode_split": split[0],
         "decode_merge": split[1],
         "prefill": prefill_launch(query, cache, cache, tables, torch.arange(batch + 1), lens, 1, 0.1, query),
+        "add_rms_norm": add_rms_norm_launch(hidden, hidden, hidden[0], hidden, hidden, 1e-6),
+        "rms_norm": add_rms_norm_launch(hidden, None, hidden[0], hidden, hidden, 1e-6),
+        "rotary": rotary_launch(qkv, lens, table, table, (group + 1) * kv_heads, head_dim),
+        "silu_and_mul": silu_and_mul_launch(hidden, hidden[:, : hidden.shape[1] // 2]),
     }
 
 
@@ -58,7 +66,7 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         stdout, stderr = compiler.communicate(timeout=300)
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
-    assert len(results) == len(CASES) * 5 * len(GPU_TARGETS)
+    assert len(results) == len(CASES) * 9 * len(GPU_TARGETS)
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 

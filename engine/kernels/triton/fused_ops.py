@@ -1,0 +1,134 @@
+"""The decoder's small per-layer ops as one Triton kernel each: the residual add with RMSNorm, the rotary embedding
+of q and k in place, and SiLU(gate) * up. Written in torch they are about 30 kernels a layer on CUDA (the norm's
+casts, the rotary's halves and `cat`), and on the first H100 run they took 1.9 of a batch-256 decode step's 4.7 ms
+of GPU time (benchmarks/results/gpu-check-20261127-h100/profile-256.txt). The Triton twins of
+`engine/csrc/fused_ops_cpu.cpp`: the same calls, the same rounding (transformers' Llama code: the residual sum and
+each op's output in the model's dtype, the arithmetic in fp32), so a model takes either as its `fused` ops.
+
+A program takes a few rows: sizes are small enough that one row never needs a loop, and the count of programs
+stays low under triton's interpreter, where each costs a Python call.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton.launch import Launch
+
+ELEMENTS_PER_PROGRAM = 4096  # a norm program takes this many elements' worth of whole rows
+ROTARY_PAIRS_PER_PROGRAM = 2048  # rotary: (head, column) pairs of each half; whole tokens, all their q and k heads
+SILU_TOKENS, SILU_COLUMNS = 4, 1024
+
+
+@triton.jit
+def _add_rms_norm_kernel(x, residual, weight, normed, total, rows, hidden, eps,
+                         HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (row < rows)[:, None] & (cols < hidden)[None, :]
+    offsets = row.to(tl.int64)[:, None] * hidden + cols[None, :]
+    summed = tl.load(x + offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # rounded to the model's dtype before the norm reads it, as the torch add is
+        summed = (summed.to(tl.float32) + tl.load(residual + offsets, mask=mask, other=0.0).to(tl.float32))
+        summed = summed.to(total.dtype.element_ty)
+        tl.store(total + offsets, summed, mask=mask)
+    s = summed.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=1) / hidden + eps)
+    n = (s * inv[:, None]).to(normed.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    tl.store(normed + offsets, (n * w[None, :]).to(normed.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(qkv, positions, cos, sin, tokens, stride_t, max_position,
+                   HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
+    pairs = tl.arange(0, BLOCK_T * HEADS_PAD)  # (token, head) pairs, token-major
+    token = tl.program_id(0) * BLOCK_T + pairs // HEADS_PAD
+    head = pairs % HEADS_PAD
+    i = tl.arange(0, HALF_PAD)
+    position = tl.load(positions + token, mask=token < tokens, other=0)
+    # the engine never schedules a position past the table; the mask only keeps a bad one from reading past it
+    row_ok = (token < tokens) & (head < HEADS) & (position >= 0) & (position < max_position)
+    mask = row_ok[:, None] & (i < HALF)[None, :]
+    table = position.to(tl.int64)[:, None] * HALF + i[None, :]
+    # the table in the model's dtype first, as transformers casts cos/sin before multiplying
+    c = tl.load(cos + table, mask=mask, other=0.0).to(qkv.dtype.element_ty).to(tl.float32)
+    s = tl.load(sin + table, mask=mask, other=0.0).to(qkv.dtype.element_ty).to(tl.float32)
+    first = qkv + token.to(tl.int64)[:, None] * stride_t + head[:, None] * (2 * HALF) + i[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * c - x2 * s).to(qkv.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, (x2 * c + x1 * s).to(qkv.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up, out, tokens, inner, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (token < tokens)[:, None] & (cols < inner)[None, :]
+    rows = token.to(tl.int64)[:, None]
+    gate = tl.load(gate_up + rows * (2 * inner) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + rows * (2 * inner) + inner + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)  # rounded as F.silu's output is
+    tl.store(out + rows * inner + cols[None, :], (act * up).to(out.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_launch(x, residual, weight, normed, total, eps: float) -> Launch:
+    rows, hidden = x.shape
+    block = triton.next_power_of_2(hidden)
+    per_program = max(1, ELEMENTS_PER_PROGRAM // block)
+    return Launch(_add_rms_norm_kernel, (triton.cdiv(rows, per_program),),
+                  (x, x if residual is None else residual, weight, normed, total, rows, hidden, eps),
+                  dict(HAS_RESIDUAL=residual is not None, ROWS=per_program, BLOCK=block))
+
+
+def rotary_launch(qkv, positions, cos, sin, rotated_heads: int, head_dim: int) -> Launch:
+    tokens, half = qkv.shape[0], head_dim // 2
+    heads_pad, half_pad = triton.next_power_of_2(rotated_heads), triton.next_power_of_2(half)
+    per_program = max(1, ROTARY_PAIRS_PER_PROGRAM // (heads_pad * half_pad))
+    return Launch(_rotary_kernel, (triton.cdiv(tokens, per_program),),
+                  (qkv, positions, cos, sin, tokens, qkv.stride(0), cos.shape[0]),
+                  dict(HEADS=rotated_heads, HEADS_PAD=heads_pad, HALF=half, HALF_PAD=half_pad, BLOCK_T=per_program))
+
+
+def silu_and_mul_launch(gate_up, out) -> Launch:
+    tokens, inner = out.shape
+    return Launch(_silu_and_mul_kernel, (triton.cdiv(tokens, SILU_TOKENS), triton.cdiv(inner, SILU_COLUMNS)),
+                  (gate_up, out, tokens, inner), dict(BLOCK_T=SILU_TOKENS, BLOCK_I=SILU_COLUMNS))
+
+
+class TritonFusedOps:
+    """The model's `fused` ops (see `LlamaForCausalLM.use_fused_ops`) where attention runs on Triton."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weight * norm(x + residual), x + residual); without a residual the sum is x itself."""
+        assert x.dim() == 2 and x.is_contiguous() and weight.dtype == x.dtype
+        assert residual is None or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype)
+        normed = torch.empty_like(x)
+        total = x if residual is None else torch.empty_like(x)
+        if x.shape[0]:
+            add_rms_norm_launch(x, residual, weight, normed, total, eps).run()
+        return normed, total
+
+    @staticmethod
+    def rotary_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rotated_heads: int, head_dim: int) -> None:
+        """Rotates the first `rotated_heads` heads of each row of qkv [T, heads_total * D] in place (q then k, halves
+        convention), at each token's position in the fp32 tables cos/sin [max_position, D / 2]."""
+        assert qkv.dim() == 2 and qkv.stride(1) == 1 and positions.shape == (qkv.shape[0],)
+        assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim // 2
+        if qkv.shape[0]:
+            rotary_launch(qkv, positions, cos, sin, rotated_heads, head_dim).run()
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up over the merged gate/up output [T, 2 * I] -> [T, I]."""
+        assert gate_up.dim() == 2 and gate_up.is_contiguous()
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        if gate_up.shape[0]:
+            silu_and_mul_launch(gate_up, out).run()
+        return out
