@@ -216,9 +216,9 @@ class LLMEngine:
         outputs, emitted = [], []
         row = 0
         for seq, rows in zip(step.seqs, step.rows):
-            seq_drafts = drafts.get(seq.request_id, [])
+            seq_drafts = drafts.get(seq.request_id, []) if drafts else []
             targets = tokens[row : row + rows]
-            accepted = accepted_length(seq_drafts, targets)
+            accepted = accepted_length(seq_drafts, targets) if seq_drafts else 0
             if INVALID_TOKEN in targets[: accepted + 1]:  # failed before its blocks publish
                 outputs.append(self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)"))
             else:
@@ -226,21 +226,22 @@ class LLMEngine:
             row += rows
         self.counters["prompt_tokens"] += self._num_prompt_tokens_in(batch)
         self.scheduler.mark_computed(batch)
+        now = time.monotonic()  # the step's tokens all arrive now
         for seq, seq_tokens, seq_logprobs, seq_drafts in emitted:
-            outputs.append(self._append_tokens(seq, seq_tokens, seq_logprobs))
+            outputs.append(self._append_tokens(seq, seq_tokens, seq_logprobs, now))
             if seq_drafts:
                 self.speculator.verified(seq, seq_drafts, len(seq_tokens) - 1)
                 self.scheduler.release_rejected(seq)
         return outputs
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> CoreOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> CoreOutput:
         """Append a step's tokens (more than one where drafts were accepted) until one finishes the sequence."""
         for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             if i:
                 self.scheduler.accept_draft(seq)  # the draft fed at the previous token's position was this token
             self.counters["generation_tokens"] += 1
             try:
-                self._append_token(seq, token, logprob)
+                self._append_token(seq, token, logprob, now)
             except Exception as exc:
                 log.exception("post-processing of request %s failed", seq.request_id)
                 return self._fail(seq, f"post-processing failed: {type(exc).__name__}")
@@ -267,9 +268,9 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         return core_output(seq)
 
-    def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None, now: float) -> None:
         reason = self.stops.append(seq, token, logprob)
-        now, timing = time.monotonic(), seq.metrics
+        timing = seq.metrics
         if self.metrics is not None:
             self.metrics.token(timing.arrival_time, timing.first_scheduled_time, timing.last_token_time, now)
         timing.first_token_time = timing.first_token_time or now

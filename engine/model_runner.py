@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import logging
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 from engine.cuda_graphs import DecodeGraphs
@@ -115,24 +118,19 @@ class ModelRunner:
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
         seqs = [batch.seqs[i] for i in order]
         num_new_tokens = [batch.num_new_tokens[i] for i in order]
-        input_ids, positions, slots, sample_indices, sampling_seqs, rows = [], [], [], [], [], []
-        prompt_indices, prompt_spans = [], []
+        rows = _StepRows()
         for seq, num_new, drafts in zip(seqs, num_new_tokens, (batch.draft_token_ids[i] for i in order)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            if seq.params.prompt_logprobs is not None:  # positions predicting a prompt token (not the first output)
-                count = max(0, min(end, seq.num_prompt_tokens - 1) - start)
-                prompt_spans.append((seq, start + 1, len(prompt_indices), count))
-                prompt_indices.extend(range(len(input_ids), len(input_ids) + count))
-            input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
-            positions.extend(range(start, end))
-            slots.extend(self._slots(seq.block_table, start, end))
-            if end - len(drafts) == len(seq):
-                sample_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
-                sampling_seqs.append(seq)
-                rows.append(1 + len(drafts))
-        meta = self._metadata(seqs, num_new_tokens, slots)
-        model_inputs = (self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_indices + prompt_indices))
-        return model_inputs, len(sample_indices), sampling_seqs, rows, prompt_spans
+            rows.add(seq, num_new, drafts, self.block_size)
+        num_decodes = sum(1 for n in num_new_tokens if n == 1)
+        host = [rows.input_ids, rows.positions, rows.sample_indices + rows.prompt_indices, rows.slots]
+        host += self._decode_lists(seqs[:num_decodes]) if num_decodes else []
+        host += self._prefill_lists(seqs[num_decodes:], num_new_tokens[num_decodes:])
+        device = iter(self._upload(host))
+        input_ids, positions, logits_indices, slots = (next(device) for _ in range(4))
+        decode = self._decode_batch(seqs[:num_decodes], device) if num_decodes else None
+        meta = self._metadata(seqs[num_decodes:], num_new_tokens[num_decodes:], num_decodes, slots, decode, device)
+        return (input_ids, positions, meta, logits_indices), len(rows.sample_indices), rows.sampling_seqs, rows.rows, \
+            rows.prompt_spans
 
     def _forward(self, model_inputs: tuple, num_sampled: int, sampling_seqs: list[Sequence], rows: list[int],
                  prompt_spans: list) -> StepLogits:
@@ -157,51 +155,113 @@ class ModelRunner:
         sources, targets = (self._tensor(list(ids)) for ids in zip(*copies))
         self.kv_cache.index_copy_(3, targets, self.kv_cache.index_select(3, sources))
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _metadata(self, seqs: list[Sequence], num_new_tokens: list[int], slots: list[int]) -> AttentionMetadata:
-        num_decodes = sum(1 for n in num_new_tokens if n == 1)
-        decode = self._decode_batch(seqs[:num_decodes]) if num_decodes else None
+    def _metadata(self, seqs: list[Sequence], num_new_tokens: list[int], start: int, slots: torch.Tensor,
+                  decode: DecodeBatch | None, device: Iterator[torch.Tensor]) -> AttentionMetadata:
+        """The step's attention metadata; `seqs` are its prefill chunks, which start at row `start`."""
         if self.triton:
-            return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, [], None, self.kv_cache,
-                                     self._prefill_batch(seqs[num_decodes:], num_new_tokens[num_decodes:]), True)
-        prefills, start = [], num_decodes
-        for seq, num_new in zip(seqs[num_decodes:], num_new_tokens[num_decodes:]):
-            context_len = seq.num_computed_tokens + num_new
-            table = self._tensor(seq.block_table[: -(-context_len // self.block_size)])
-            prefills.append(PrefillChunk(start, start + num_new, context_len, table))
+            prefill = PrefillBatch(next(device), next(device), next(device).view(len(seqs), -1),
+                                   max(num_new_tokens)) if seqs else None
+            return AttentionMetadata(self.kv_layers, slots, decode, [], None, self.kv_cache, prefill, True)
+        prefills = []
+        for seq, num_new in zip(seqs, num_new_tokens):
+            prefills.append(PrefillChunk(start, start + num_new, seq.num_computed_tokens + num_new, next(device)))
             start += num_new
-        return AttentionMetadata(self.kv_layers, self._tensor(slots), decode, prefills, self.write_kv, self.kv_cache,
+        return AttentionMetadata(self.kv_layers, slots, decode, prefills, self.write_kv, self.kv_cache,
                                  prefill_kernel=self.prefill_kernel)
 
-    def _prefill_batch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> PrefillBatch | None:
+    def _prefill_lists(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[list[int]]:
+        """The host side of the prefill chunks' metadata: for Triton, query starts, context lengths and the padded
+        block tables of all of them; else each chunk's block table."""
+        context_lens = [seq.num_computed_tokens + num_new for seq, num_new in zip(seqs, num_new_tokens)]
+        if not self.triton:
+            return [seq.block_table[: -(-n // self.block_size)] for seq, n in zip(seqs, context_lens)]
         if not seqs:
-            return None
+            return []
         starts = [0]
         for num_new in num_new_tokens:
             starts.append(starts[-1] + num_new)
-        context_lens = [seq.num_computed_tokens + num_new for seq, num_new in zip(seqs, num_new_tokens)]
         width = max(-(-n // self.block_size) for n in context_lens)
-        tables = _padded([seq.block_table[:width] for seq in seqs], width)
-        return PrefillBatch(self._tensor(starts), self._tensor(context_lens), self._tensor(tables), max(num_new_tokens))
+        return [starts, context_lens, _padded_flat([seq.block_table[:width] for seq in seqs], width)]
 
-    def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
+    @staticmethod
+    def _decode_lists(seqs: list[Sequence]) -> list[list[int]]:
+        """The host side of a DecodeBatch: block tables padded to one width (flat), and context lengths."""
         width = max(len(seq.block_table) for seq in seqs)
-        tables = self._tensor(_padded([seq.block_table for seq in seqs], width))
-        lens = [seq.num_computed_tokens + 1 for seq in seqs]
+        return [_padded_flat([seq.block_table for seq in seqs], width), [seq.num_computed_tokens + 1 for seq in seqs]]
+
+    def _decode_batch(self, seqs: list[Sequence], device: Iterator[torch.Tensor]) -> DecodeBatch:
+        tables, lens = next(device).view(len(seqs), -1), next(device)
         splits = 1
         if self.num_splits_for is not None:
-            splits = self.num_splits_for(len(seqs), self.kv_cache.shape[2], max(lens), self.num_sms)
-        return DecodeBatch(tables, self._tensor(lens), self.block_size, self.decode_kernel, splits)
+            splits = self.num_splits_for(len(seqs), self.kv_cache.shape[2], max(s.num_computed_tokens + 1 for s in seqs),
+                                         self.num_sms)
+        return DecodeBatch(tables, lens, self.block_size, self.decode_kernel, splits)
 
-    def _tensor(self, values) -> torch.Tensor:
-        """Host values to the device without waiting for it: through pinned memory on CUDA."""
-        host = torch.tensor(values, dtype=torch.long, pin_memory=self.device.type == "cuda")
+    def _upload(self, parts: list[list[int]]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+        """Host int lists to the device together: one pinned buffer and one copy, split into views there (the first
+        H100 profile counted ~44 copies a step, each a pinned allocation and a cudaMemcpyAsync). A compiled decoder
+        (CPU only) takes a tensor each: views of one buffer would make it guard on how its inputs alias, and compile
+        again."""
+        if getattr(self.model, "compiled", None) is not None:
+            return [self._tensor(part) for part in parts]
+        return self._tensor(list(chain.from_iterable(parts))).split([len(part) for part in parts])
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """Host ints to the device without waiting for it: through pinned memory on CUDA. By way of an array: at a
+        batch of 256, torch.tensor of the step's list of ~8,500 ints took 480 us, the array 136."""
+        if not values:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        host = torch.frombuffer(array("q", values), dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
 
-def _padded(tables: list[list[int]], width: int) -> list[list[int]]:
-    """Block tables as rows of one width, padded with block 0 (the kernels read no further than each context)."""
-    return [table + [0] * (width - len(table)) for table in tables]
+class _StepRows:
+    """The host lists of one step's flat batch, built a sequence at a time: each new token's id, position and pool
+    slot; which rows sample (the last real token and each draft of a sequence that is up to date) and which score
+    the prompt (prompt logprobs)."""
+
+    def __init__(self):
+        self.input_ids, self.positions, self.slots, self.sample_indices = [], [], [], []
+        self.sampling_seqs: list[Sequence] = []
+        self.rows: list[int] = []  # per sampling sequence: its rows (1 + its drafts)
+        self.prompt_indices: list[int] = []
+        self.prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, offset, count)
+
+    def add(self, seq: Sequence, num_new: int, drafts: list[int], block_size: int) -> None:
+        start = seq.num_computed_tokens
+        if num_new == 1 and start == len(seq) - 1 and seq.params.prompt_logprobs is None:
+            self._add_decode(seq, start, block_size)  # the common row, without the general case's ranges
+            return
+        end = start + num_new
+        if seq.params.prompt_logprobs is not None:  # positions predicting a prompt token (not the first output)
+            count = max(0, min(end, seq.num_prompt_tokens - 1) - start)
+            self.prompt_spans.append((seq, start + 1, len(self.prompt_indices), count))
+            self.prompt_indices.extend(range(len(self.input_ids), len(self.input_ids) + count))
+        self.input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
+        self.positions.extend(range(start, end))
+        table = seq.block_table
+        self.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if end - len(drafts) == len(seq):
+            self.sample_indices.extend(range(len(self.input_ids) - 1 - len(drafts), len(self.input_ids)))
+            self.sampling_seqs.append(seq)
+            self.rows.append(1 + len(drafts))
+
+    def _add_decode(self, seq: Sequence, position: int, block_size: int) -> None:
+        self.input_ids.append(seq.token_ids[position])
+        self.positions.append(position)
+        self.slots.append(seq.block_table[position // block_size] * block_size + position % block_size)
+        self.sample_indices.append(len(self.input_ids) - 1)
+        self.sampling_seqs.append(seq)
+        self.rows.append(1)
+
+
+def _padded_flat(tables: list[list[int]], width: int) -> list[int]:
+    """Block tables as rows of one width, padded with block 0 (the kernels read no further than each context), one
+    after another."""
+    flat = []
+    for table in tables:
+        flat += table
+        flat += [0] * (width - len(table))
+    return flat

@@ -71,7 +71,7 @@ def core_output(seq: Sequence) -> CoreOutput:
     output the prompt's logprobs."""
     progress: RequestProgress = seq.runtime
     first = progress.sent_tokens == 0
-    new_tokens = seq.output_token_ids[progress.sent_tokens:]
+    new_tokens = seq.token_ids[seq.num_prompt_tokens + progress.sent_tokens :]  # not a copy of all the output first
     new_logprobs = progress.logprobs
     if new_logprobs is not None:
         progress.logprobs = []

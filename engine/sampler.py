@@ -66,7 +66,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        output_token_ids: list[list[int]],
+        output_token_ids: list[list[int]] | None,
         prompt_token_ids: list[list[int]] | None = None,
         banned_token_ids: list[Collection[int]] | None = None,
         grammar: GrammarMask | None = None,

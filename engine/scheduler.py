@@ -84,8 +84,15 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch) -> int:
         budget = self.max_num_batched_tokens
         index = 0
+        block_size = self.block_manager.block_size
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if (len(seq.token_ids) - seq.num_computed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                    and not seq.draft_token_ids and len(seq.block_table) * block_size >= len(seq.token_ids)):
+                batch.add(seq, 1)  # a decode within its blocks, the common row: nothing to allocate, no budget rule
+                budget -= 1
+                index += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, self._chunk_budget(seq, budget))
             if num_new == 0:  # a prompt being scored, past this step's share: the next step
                 index += 1

@@ -17,16 +17,19 @@ class StepSampler:
 
     def __call__(self, step: StepLogits, drafts: dict[str, list[int]]) -> tuple[list[int], list]:
         """One token per logits row; a sequence with drafts has a row for each draft and one for the bonus token."""
+        one_row_each = len(step.rows) == step.logits.shape[0]  # no drafts this step
+
         def per_row(values: list) -> list:  # one value per sequence, repeated for each of its rows
-            return [value for value, rows in zip(values, step.rows) for _ in range(rows)]
+            return values if one_row_each else [value for value, rows in zip(values, step.rows) for _ in range(rows)]
 
         seqs = step.seqs
         params = per_row([seq.params for seq in seqs])
+        penalties = any(p.has_penalties for p in params)  # the histories are copies: only where a penalty reads them
         return self.sampler(
             step.logits,
             params,
             per_row([seq.runtime.generator for seq in seqs]),
-            per_row([seq.output_token_ids for seq in seqs]),
+            per_row([seq.output_token_ids for seq in seqs]) if penalties else None,
             prompt_token_ids=per_row([seq.prompt_token_ids for seq in seqs]) if any(
                 p.repetition_penalty != 1.0 for p in params) else None,
             banned_token_ids=per_row([self.not_yet_allowed(seq) for seq in seqs]),
