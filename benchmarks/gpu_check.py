@@ -161,10 +161,11 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes) -> dict:
 
 
 def _start(llm, ids: list[str], work: list[list[int]], params) -> None:
-    """Add the requests and step until every one has its first token (the engine's counters run on across calls)."""
+    """Add the requests and step until every one has its first token (the engine's counters run on across calls).
+    Outputs come once, at the end, as `generate` has them: no reader pays for a RequestOutput each step."""
     first_tokens = llm.engine.counters["generation_tokens"] + len(ids)
     for request_id, prompt in zip(ids, work):
-        llm.add_request(request_id, prompt, params)
+        llm.add_request(request_id, prompt, params, final_only=True)
     while llm.engine.counters["generation_tokens"] < first_tokens or llm.engine.stats().num_waiting:
         llm.step()
 
@@ -279,17 +280,24 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
         results.setdefault("settings", settings)
         if settings["attention_backend"] != "triton":
             failures.append(f"attention_backend is {settings['attention_backend']}, not triton")
-        results["decode"][mode] = [decode_rate(llm, device, batch, sizes) for batch in sizes.batches]
-        for row in results["decode"][mode]:
-            log(f"decode {mode} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s")
-            if row["tokens"] != row["batch"] * sizes.decode_steps:
-                failures.append(f"decode {mode} batch {row['batch']}: {row['tokens']} tokens")
+        for rows, ahead in ((mode, False), (f"{mode}_async", True)) if not eager else ((mode, False),):
+            engine.async_scheduling = ahead  # async scheduling: the next step launched before this one is read
+            results["decode"][rows] = [decode_rate(llm, device, batch, sizes) for batch in sizes.batches]
+            for row in results["decode"][rows]:
+                log(f"decode {rows} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s")
+                # with async scheduling the last step launched lands after the clock stops: one step fewer counted
+                if row["tokens"] not in {row["batch"] * steps for steps in (sizes.decode_steps, sizes.decode_steps - ahead)}:
+                    failures.append(f"decode {rows} batch {row['batch']}: {row['tokens']} tokens")
+        engine.async_scheduling = False
         if eager:
             results["kernels_per_step"] = {b: kernels_per_decode_step(llm, device, b, sizes) for b in (1, sizes.batches[-1])}
             results["prefill"] = prefill_time(llm, device, sizes)
             log(f"kernels per decode step: {results['kernels_per_step']}; prefill {results['prefill']}")
         else:
             results["engine_static"] = engine_generate(llm, device, sizes.batches[-1], sizes)
+            engine.async_scheduling = True
+            results["engine_static_async"] = engine_generate(llm, device, sizes.batches[-1], sizes)
+            engine.async_scheduling = False
             results["kv"] = {"blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
                              **_memory(device)}
             graphs = engine.runner.graphs
@@ -325,12 +333,14 @@ def goals(results: dict, info: dict, sizes: Sizes) -> dict:
     eager, graphs = results["decode"]["eager"], results["decode"]["graphs"]
     biggest = sizes.batches[-1]
     roof = roofline_tok_s(info, biggest, sizes)
-    engine_vs_hf = results["engine_static"]["tok_s"] / results["hf_static"]["tok_s"]
+    static = max(results["engine_static"]["tok_s"], results["engine_static_async"]["tok_s"])
+    engine_vs_hf = static / results["hf_static"]["tok_s"]
     graphs_vs_eager = graphs[0]["tok_s"] / eager[0]["tok_s"]
-    return {
+    decode = max(graphs[-1]["tok_s"], results["decode"]["graphs_async"][-1]["tok_s"])
+    return {  # the engine's best, with async scheduling or without; both are in the results
         "engine_10x_hf_static": {"ratio": round(engine_vs_hf, 2), "met": engine_vs_hf >= 10},
-        "decode_50pct_roofline": {"tok_s": graphs[-1]["tok_s"], "roofline_tok_s": roof and round(roof),
-                                  "met": None if roof is None else graphs[-1]["tok_s"] >= 0.5 * roof},
+        "decode_50pct_roofline": {"tok_s": decode, "roofline_tok_s": roof and round(roof),
+                                  "met": None if roof is None else decode >= 0.5 * roof},
         "graphs_1_5x_eager_batch_1": {"ratio": round(graphs_vs_eager, 2), "met": graphs_vs_eager >= 1.5},
     }
 

@@ -18,6 +18,7 @@ cli = typer.Typer(add_completion=False)
 
 @cli.command()
 def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = False,
+         async_scheduling: bool = typer.Option(False, help="launch each step before the one before it is read"),
          out: Path = typer.Option(ROOT / "benchmarks" / "results" / "gpu-profile")):
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel, as gpu_check.py does
@@ -32,6 +33,7 @@ def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = F
     llm = LLM(model=build_model(device, sizes, dtype, out), device=device, dtype=str(dtype).removeprefix("torch."),
               max_num_seqs=max(batch, 8), max_num_batched_tokens=sizes.max_num_batched_tokens,
               num_kv_blocks=sizes.num_kv_blocks, enforce_eager=eager, attention_backend="triton")
+    llm.engine.async_scheduling = async_scheduling
     ids = [f"p{i}" for i in range(batch)]
     _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 5),
            SamplingParams(max_tokens=3 * steps + 64, temperature=0.0, ignore_eos=True))
@@ -48,11 +50,12 @@ def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = F
     _finish(llm, ids)
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events) if device == "cuda" else 0.0
-    lines = [f"batch {batch}, {'eager' if eager else 'graphs'}: {1e3 * wall / steps:.2f} ms a step (profiled), "
+    mode = ("eager" if eager else "graphs") + (" + async scheduling" if async_scheduling else "")
+    lines = [f"batch {batch}, {mode}: {1e3 * wall / steps:.2f} ms a step (profiled), "
              f"GPU busy {gpu_us / 1e3 / steps:.2f} ms a step; phases {llm.engine.stats().step_seconds}",
              "top by device time:", events.table(sort_by="self_device_time_total", row_limit=15),
              "top by host time:", events.table(sort_by="self_cpu_time_total", row_limit=25)]
-    (out / f"profile-{batch}.txt").write_text("\n".join(lines))
+    (out / f"profile-{batch}{'-async' if async_scheduling else ''}.txt").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

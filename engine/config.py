@@ -71,6 +71,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(default=False, description=(
         "on CUDA, decode steps replay CUDA graphs captured at start-up for batch buckets up to max_num_seqs (native "
         "models); True: every step runs eagerly (vLLM's flag)"))
+    async_scheduling: bool = Field(default=False, description=(
+        "launch the next decode step before reading this one's tokens, so the host's scheduling and input "
+        "preparation overlap the GPU's forward (vLLM's flag); for steps whose every row is a plain greedy decode, "
+        "others run as before. Off until measured on a GPU"))
     max_waiting: int | None = Field(default=None, ge=1, description="bound on queued requests; None is unbounded")
     default_max_tokens: int | None = Field(default=None, ge=1, description="when a request gives none; None: the rest of the context")
     max_tokens_limit: int | None = Field(default=None, ge=1, description="cap on max_tokens, given or default; over it is refused")

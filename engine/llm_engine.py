@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from engine import async_scheduling
+from engine.async_scheduling import InFlight
 from engine.attention_backend import choose_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -82,6 +84,9 @@ class LLMEngine:
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
         self.consecutive_failed_steps = 0  # steps in a row that failed for the engine's sake (step_recovery.py)
+        self.async_scheduling = config.async_scheduling and self.speculator is None  # see engine/async_scheduling.py
+        self.in_flight: InFlight | None = None  # a launched step not yet read (async scheduling)
+        self.num_steps_ahead = 0  # steps launched before the step before them was read
         self.step_started_at: float | None = None  # monotonic; None between steps
         log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
                  self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype, self.runner.num_blocks,
@@ -154,15 +159,22 @@ class LLMEngine:
         start = time.perf_counter()
         with self.phases("schedule"):
             outputs = self._drain_inbox()
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running, self._draft_room)
-            batch = self.scheduler.schedule()
-        outputs += [core_output(seq) for seq in batch.out_of_memory]
-        if batch:
-            run_start = time.perf_counter()
-            outputs += self._run(batch)
-            if self.speculator is not None:
-                self.speculator.step_ran(batch.num_new_tokens, batch.draft_token_ids, time.perf_counter() - run_start)
+        batch = ScheduledBatch()
+        if self.in_flight is not None:  # async scheduling: the next step goes up before this one is read
+            landing, batch = self.in_flight, self.in_flight.batch
+            self.in_flight = self._launch_ahead(landing)
+            outputs += self._land(landing)
+        if self.in_flight is None:
+            with self.phases("schedule"):
+                if self.speculator is not None:
+                    self.speculator.propose(self.scheduler.running, self._draft_room)
+                batch = self.scheduler.schedule()
+            outputs += [core_output(seq) for seq in batch.out_of_memory]
+            if batch:
+                run_start = time.perf_counter()
+                outputs += self._run(batch)
+                if self.speculator is not None:
+                    self.speculator.step_ran(batch.num_new_tokens, batch.draft_token_ids, time.perf_counter() - run_start)
         self.counters["num_steps"] += 1
         for out in outputs:
             if out.finish_reason is not None:
@@ -189,19 +201,67 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
         try:
-            outputs = self._execute(batch)
+            outputs = self._execute(batch, may_fly=self.async_scheduling)
         except Exception:  # one bad request must not fail its batch-mates: find it, fail it, serve the rest
-            log.exception("engine step failed; retrying its %d requests in groups", len(batch))
-            self.counters["num_failed_steps"] += 1
-            outputs, engine_fault = retry_in_groups(batch, self._execute, self._fail)
-            # steps in a row that failed for the engine's sake count against it; a clean step resets the count
-            self.consecutive_failed_steps = self.consecutive_failed_steps + 1 if engine_fault else 0
-            return outputs
+            return self._retry(batch)
         self.consecutive_failed_steps = 0
         return outputs
 
-    def _execute(self, batch: ScheduledBatch) -> list[CoreOutput]:
+    def _retry(self, batch: ScheduledBatch) -> list[CoreOutput]:
+        """After a failed step, each of its requests again, synchronously, in ever smaller groups."""
+        log.exception("engine step failed; retrying its %d requests in groups", len(batch))
+        self.counters["num_failed_steps"] += 1
+        outputs, engine_fault = retry_in_groups(batch, self._execute, self._fail)
+        # steps in a row that failed for the engine's sake count against it; a clean step resets the count
+        self.consecutive_failed_steps = self.consecutive_failed_steps + 1 if engine_fault else 0
+        return outputs
+
+    def _launch_ahead(self, landing: InFlight) -> InFlight | None:
+        """Step N+1 on the device before step N (`landing`) is read, where every running sequence was in step N and
+        still flies, nothing waits to be admitted, and the pool holds their next slots without preempting anyone."""
+        seqs = [seq for seq in landing.step.seqs if not seq.is_finished]  # aborted since it launched
+        bm = self.block_manager
+        if (not seqs or self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
+                or not all(async_scheduling.flies(seq) and len(seq) < self.max_model_len for seq in seqs)
+                or sum(bm.blocks_needed(len(seq) + 1) - len(seq.block_table) for seq in seqs) > bm.num_free_blocks):
+            return None
+        batch = ScheduledBatch()
+        for seq in seqs:
+            bm.grow(seq, len(seq) + 1)
+            batch.add(seq, 1)
+        try:
+            step = self.runner.execute_ahead(seqs, async_scheduling.next_input_ids(landing, seqs))
+            with self.phases("sample"):
+                in_flight = async_scheduling.launch(batch, step)
+        except Exception:
+            log.exception("launching a step ahead failed; the step before it lands first")
+            return None
+        self.num_steps_ahead += 1
+        return in_flight
+
+    def _land(self, landing: InFlight) -> list[CoreOutput]:
+        """Read a step launched earlier and commit its tokens; where that fails, the step again, synchronously."""
+        try:
+            with self.phases("sample"):
+                tokens = landing.read_tokens()
+            with self.phases("output"):
+                outputs = self._commit(landing.batch, landing.step, {}, tokens, [None] * len(tokens))
+        except Exception:
+            self.in_flight = None  # it took the failed step's tokens as inputs
+            batch = landing.batch
+            return self._retry(batch.subset([i for i, seq in enumerate(batch.seqs) if not seq.is_finished]))
+        if self.in_flight is not None and all(seq.is_finished for seq in self.in_flight.step.seqs):
+            self.in_flight = None  # every row of the step ahead ended here: nothing to read
+        self.consecutive_failed_steps = 0
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch, may_fly: bool = False) -> list[CoreOutput]:
         step = self.runner.execute(batch)
+        if may_fly and not step.prompt and len(step.seqs) == len(batch) \
+                and all(async_scheduling.flies(seq) for seq in batch.seqs):
+            with self.phases("sample"):
+                self.in_flight = async_scheduling.launch(batch, step)  # read by the next step, after it launches its own
+            return []
         for part in step.prompt:
             self.sampler.record_prompt_logprobs(part)
         drafts = {seq.request_id: d for seq, d in zip(batch.seqs, batch.draft_token_ids) if d}
@@ -216,6 +276,9 @@ class LLMEngine:
         outputs, emitted = [], []
         row = 0
         for seq, rows in zip(step.seqs, step.rows):
+            if seq.is_finished:  # aborted while its step ran, or (async scheduling) ended by the step before
+                row += rows
+                continue
             seq_drafts = drafts.get(seq.request_id, []) if drafts else []
             targets = tokens[row : row + rows]
             accepted = accepted_length(seq_drafts, targets) if seq_drafts else 0
@@ -313,6 +376,7 @@ class LLMEngine:
             "prefill_kernel": self.runner.prefill_kernel is not None,
             "attention_backend": self.attention_backend,
             "cuda_graphs": self.runner.graphs.buckets if self.runner.graphs is not None and self.runner.graphs.graphs else None,
+            "async_scheduling": self.async_scheduling,
             "device": self.device.type,
         }
 

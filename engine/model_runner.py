@@ -123,14 +123,33 @@ class ModelRunner:
             rows.add(seq, num_new, drafts, self.block_size)
         num_decodes = sum(1 for n in num_new_tokens if n == 1)
         host = [rows.input_ids, rows.positions, rows.sample_indices + rows.prompt_indices, rows.slots]
-        host += self._decode_lists(seqs[:num_decodes]) if num_decodes else []
+        host += self._decode_lists(seqs[:num_decodes], [s.num_computed_tokens + 1 for s in seqs[:num_decodes]]) \
+            if num_decodes else []
         host += self._prefill_lists(seqs[num_decodes:], num_new_tokens[num_decodes:])
         device = iter(self._upload(host))
         input_ids, positions, logits_indices, slots = (next(device) for _ in range(4))
-        decode = self._decode_batch(seqs[:num_decodes], device) if num_decodes else None
+        longest = max((seq.num_computed_tokens + 1 for seq in seqs[:num_decodes]), default=0)
+        decode = self._decode_batch(num_decodes, longest, device) if num_decodes else None
         meta = self._metadata(seqs[num_decodes:], num_new_tokens[num_decodes:], num_decodes, slots, decode, device)
         return (input_ids, positions, meta, logits_indices), len(rows.sample_indices), rows.sampling_seqs, rows.rows, \
             rows.prompt_spans
+
+    @torch.inference_mode()
+    def execute_ahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> StepLogits:
+        """A decode step one token past what each sequence holds (async scheduling): row i's token is input_ids[i],
+        on the device (the step before's sampled ids, not yet read by the host), at position len(seqs[i])."""
+        with self.phases("prepare"):
+            positions = [len(seq) for seq in seqs]
+            bs = self.block_size
+            slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+            host = [positions, list(range(len(seqs))), slots, *self._decode_lists(seqs, [p + 1 for p in positions])]
+            device = iter(self._upload(host))
+            positions_on_device, logits_indices, slots_on_device = (next(device) for _ in range(3))
+            decode = self._decode_batch(len(seqs), max(positions) + 1, device)
+            meta = self._metadata([], [], len(seqs), slots_on_device, decode, device)
+        with self.phases("forward"):
+            return self._forward((input_ids, positions_on_device, meta, logits_indices), len(seqs), seqs,
+                                 [1] * len(seqs), [])
 
     def _forward(self, model_inputs: tuple, num_sampled: int, sampling_seqs: list[Sequence], rows: list[int],
                  prompt_spans: list) -> StepLogits:
@@ -184,17 +203,17 @@ class ModelRunner:
         return [starts, context_lens, _padded_flat([seq.block_table[:width] for seq in seqs], width)]
 
     @staticmethod
-    def _decode_lists(seqs: list[Sequence]) -> list[list[int]]:
+    def _decode_lists(seqs: list[Sequence], context_lens: list[int]) -> list[list[int]]:
         """The host side of a DecodeBatch: block tables padded to one width (flat), and context lengths."""
         width = max(len(seq.block_table) for seq in seqs)
-        return [_padded_flat([seq.block_table for seq in seqs], width), [seq.num_computed_tokens + 1 for seq in seqs]]
+        return [_padded_flat([seq.block_table for seq in seqs], width), context_lens]
 
-    def _decode_batch(self, seqs: list[Sequence], device: Iterator[torch.Tensor]) -> DecodeBatch:
-        tables, lens = next(device).view(len(seqs), -1), next(device)
+    def _decode_batch(self, size: int, longest: int, device: Iterator[torch.Tensor]) -> DecodeBatch:
+        """`size` sequences, the longest context `longest` tokens."""
+        tables, lens = next(device).view(size, -1), next(device)
         splits = 1
         if self.num_splits_for is not None:
-            splits = self.num_splits_for(len(seqs), self.kv_cache.shape[2], max(s.num_computed_tokens + 1 for s in seqs),
-                                         self.num_sms)
+            splits = self.num_splits_for(size, self.kv_cache.shape[2], longest, self.num_sms)
         return DecodeBatch(tables, lens, self.block_size, self.decode_kernel, splits)
 
     def _upload(self, parts: list[list[int]]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:

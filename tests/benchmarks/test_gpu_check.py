@@ -20,14 +20,25 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert report["failures"] == [] and report["tests"]["exit"] == 0, report
     assert "2 passed" in report["tests"]["summary"]
     assert report["settings"]["attention_backend"] == "triton"
-    for mode in ("eager", "graphs"):
+    for mode in ("eager", "graphs", "graphs_async"):
         assert [row["batch"] for row in report["decode"][mode]] == [1, 4]
-        assert all(row["tokens"] == row["batch"] * 4 and row["tok_s"] > 0 for row in report["decode"][mode])
-    assert report["engine_static"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
+        steps = 3 if mode.endswith("async") else 4  # the last step launched ahead lands after the clock stops
+        assert all(row["tokens"] == row["batch"] * steps and row["tok_s"] > 0 for row in report["decode"][mode])
+    assert report["engine_static"]["tokens"] == report["engine_static_async"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
     assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
     assert len(report["attention_kernels"]) == 5
     assert set(report["goals"]) == {"engine_10x_hf_static", "decode_50pct_roofline", "graphs_1_5x_eager_batch_1"}
     assert "all checks passed" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_the_step_profile_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_step_profile.py, which a GPU session runs after the check, with async scheduling on."""
+    run = subprocess.run([sys.executable, "gpu_step_profile.py", "--device", "cpu", "--batch", "4", "--steps", "2",
+                          "--async-scheduling", "--out", str(tmp_path)], cwd=ROOT / "benchmarks", capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = (tmp_path / "profile-4-async.txt").read_text()
+    assert report.startswith("batch 4, graphs + async scheduling:") and "top by host time" in report
 
 
 def test_the_tree_and_its_gpu_wheels_fit_the_device_copy():

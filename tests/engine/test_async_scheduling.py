@@ -1,0 +1,111 @@
+"""Async scheduling (`engine/async_scheduling.py`): with it on, every request gets exactly the tokens it gets with it
+off (fp32, greedy), whatever ends it and whenever it ends; steps really are launched ahead; requests that arrive, are
+aborted or do not fly (sampling, logprobs) meanwhile are served as before; and no KV block is left held. On CPU the
+steps are synchronous underneath, so this checks the bookkeeping; the GPU check measures the overlap. The same cases
+run on CUDA where there is one (marker `gpu`), with the decode steps in CUDA graphs."""
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.fixtures.tiny_models import tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("async"), "qwen2-hd128")
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[5 + i, 17, 300 + 7 * i, 42, 9 + 2 * i] * (1 + i % 3) for i in range(count)]
+
+
+def engine(checkpoint, device, backend="torch", **args) -> LLM:
+    return LLM(**{**dict(model=checkpoint, dtype="float32", device=device, attention_backend=backend, num_kv_blocks=96,
+                         max_num_seqs=8), **args})
+
+
+def run(llm: LLM, on: bool, work: list[tuple[list[int], SamplingParams]], during=None) -> dict[str, list[int]]:
+    """Each request's token ids (and its finish reason) by id; `during(llm, step_index)` runs between steps."""
+    llm.engine.async_scheduling = on
+    for i, (prompt, params) in enumerate(work):
+        llm.add_request(f"r{i}", prompt, params)
+    finals, step = {}, 0
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                finals[out.request_id] = (out.token_ids, out.finish_reason)
+        if during is not None:
+            during(llm, step)
+        step += 1
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks left held"
+    assert llm.engine.in_flight is None
+    return finals
+
+
+def greedy(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_same_tokens_as_synchronous_steps_whatever_ends_each_request(checkpoint, device):
+    llm = engine(checkpoint, device)
+    lengths = [3, 17, 9, 30, 1, 24]
+    work = [(p, greedy(n)) for p, n in zip(prompts(len(lengths)), lengths)]
+    reference = run(llm, False, work)
+    ahead = llm.engine.num_steps_ahead
+    assert run(llm, True, work) == reference
+    assert llm.engine.num_steps_ahead - ahead >= 20, "no step was launched ahead"
+    # a stop id that the greedy text reaches mid-way, and a length limit of the context, end requests too
+    stop_at = reference["r3"][0][11]
+    stopping = [(p, greedy(40, stop_token_ids=[stop_at])) for p, _ in work]
+    assert run(llm, True, stopping) == run(llm, False, stopping)
+    assert any(reason == "stop" for _, reason in run(llm, True, stopping).values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_arrivals_aborts_and_requests_that_do_not_fly_are_served_as_before(checkpoint, device):
+    llm = engine(checkpoint, device)
+    work = [(p, greedy(20 + 3 * i)) for i, p in enumerate(prompts(5))]
+    work.append((prompts(6)[5], SamplingParams(max_tokens=12, temperature=0.8, seed=7)))  # sampled: lands every step
+    work.append((prompts(7)[6], greedy(15, logprobs=2)))
+
+    def arrive_and_abort(llm, step):
+        if step == 6:
+            llm.add_request("late", prompts(9)[8], greedy(10))
+        if step == 9:
+            llm.abort("r2")
+
+    reference = run(llm, False, work[:5], arrive_and_abort)
+    ahead = llm.engine.num_steps_ahead
+    result = run(llm, True, work[:5], arrive_and_abort)
+    # the aborted request's count of tokens depends on when the abort landed: one step later, with steps ahead
+    assert result.pop("r2")[1] == reference.pop("r2")[1] == "abort"
+    assert result == reference and "late" in result
+    assert llm.engine.num_steps_ahead > ahead
+    assert run(llm, True, work) == run(llm, False, work)
+
+
+def test_a_pool_too_small_to_grow_ahead_lands_the_step_and_preempts_as_before(checkpoint):
+    llm = engine(checkpoint, "cpu", num_kv_blocks=12)
+    work = [(p, greedy(40)) for p in prompts(6)]
+    reference = run(llm, False, work)
+    preemptions = llm.engine.scheduler.num_preemptions
+    assert preemptions > 0
+    assert run(llm, True, work) == reference
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_steps_from_cuda_graph_buffers_fly_too(checkpoint, device):
+    """The Triton path, with decode steps through the graphs' buffers (captured on CUDA, run eagerly on CPU)."""
+    llm = engine(checkpoint, device, backend="triton")
+    runner = llm.engine.runner
+    graphs = runner.graphs if device == "cuda" else runner.capture_graphs(8, llm.engine.max_model_len, capture=False)
+    replays, replay = [], graphs.run
+    graphs.run = lambda ids, pos, meta: replays.append(meta.decode.size) or replay(ids, pos, meta)
+    work = [(p, greedy(n)) for p, n in zip(prompts(4), [6, 13, 2, 9])]
+    reference = run(llm, False, work)
+    assert run(llm, True, work) == reference
+    assert len(replays) > 20
