@@ -3,11 +3,12 @@ and nothing but a copy of the tree, it proves the CUDA path and measures it.
 
 1. The environment: GPU, driver, torch, triton and transformers versions.
 2. `pytest -m gpu`: the engine's parity cases on CUDA (fp32 against transformers, every scheduling mode, Triton and
-   torch attention), speculative decoding, structured output, the Triton kernels against the torch path.
+   torch attention), speculative decoding, structured output, async scheduling against synchronous steps, the Triton
+   attention kernels and fused ops against the torch path.
 3. The attention kernels alone against the GPU's peak (`benchmarks/triton_attention.py`).
 4. A random Qwen2.5-1.5B-shaped bf16 model built on the device (no download), measured in one run: decode tok/s and
-   step time by batch, eager and in CUDA graphs; prefill of a 4k-token prompt; the same workload through HF
-   `generate` with static batches; kernels launched per decode step; the KV blocks chosen against free memory.
+   step time by batch, eager, in CUDA graphs, and in graphs with async scheduling; prefill of a 4k-token prompt; the
+   same workload through HF `generate` with static batches (the engine's with and without async scheduling); kernels launched per decode step; the KV blocks chosen against free memory.
 
 Writes `gpu_check.json` and `gpu_check.log` under --out; exits non-zero on any failed check (a goal missed is
 reported, not failed). `--device cpu` runs the same code at toy sizes, with the Triton kernels under triton's
@@ -60,7 +61,7 @@ SIZES = {
     # every case marked gpu, and the kernel tests (which run on CUDA where there is one); none needs the embedded model
     "cuda": Sizes(QWEN_1_5B, 151936, [1, 32, 128, 256], 32, 128, 64, 4096, 256, 4096, None,
                   ["tests/engine/kernels/test_triton_attention.py", "tests/engine/kernels/test_triton_fused_ops.py",
-                   "tests/engine/test_synthetic_models.py",
+                   "tests/engine/test_synthetic_models.py", "tests/engine/test_async_scheduling.py",
                    "tests/engine/test_cuda_graphs.py", "-m", "gpu or not slow", "-p", "no:cacheprovider"]),
     "cpu": Sizes(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1000000.0,

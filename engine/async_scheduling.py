@@ -66,5 +66,8 @@ def next_input_ids(landing: InFlight, seqs: list[Sequence]) -> torch.Tensor:
     tokens = landing.tokens
     if len(seqs) != len(landing.step.seqs):
         row = {id(seq): i for i, seq in enumerate(landing.step.seqs)}
-        tokens = tokens[torch.tensor([row[id(seq)] for seq in seqs], device=tokens.device)]
+        rows = torch.tensor([row[id(seq)] for seq in seqs])
+        if tokens.device.type == "cuda":  # a pageable copy would wait for the step in flight
+            rows = rows.pin_memory().to(tokens.device, non_blocking=True)
+        tokens = tokens[rows]
     return tokens.clamp(min=0)
