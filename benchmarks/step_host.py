@@ -1,0 +1,89 @@
+"""Host time of a decode step: the engine core's own Python around the forward (scheduling, input preparation, the
+sampler's bookkeeping, committing tokens), by batch size, on a one-layer model whose forward costs little. On a GPU
+that time is the GPU's idle time, unless async scheduling overlaps it (the first H100 run: ~5 of a 9.8 ms batch-256
+step). Phases come from the engine's own PhaseTimer; "host" is the step's wall time less its forward. Medians of
+several rounds; requests report once, at the end, as `generate`'s do.
+
+python benchmarks/step_host.py --batches 1,32,128,256 --out benchmarks/results/step-host.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_check import SIZES, build_model, prompts  # noqa: E402  the sibling script
+
+cli = typer.Typer(add_completion=False)
+# one layer of width 64: the forward is ~1 ms at batch 256 on a CPU core, so the host's own work shows
+TINY = dict(SIZES["cpu"].model, num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=1,
+            num_key_value_heads=1)
+
+
+def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=path, device="cpu", dtype="float32", max_num_seqs=batch, max_num_batched_tokens=4096,
+              num_kv_blocks=max(64, batch * (rounds * steps + 64) // 16 + 64))
+    engine = llm.engine
+    if ahead:
+        engine.async_scheduling = True
+    params = SamplingParams(max_tokens=rounds * steps + 40, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts(batch, 32, SIZES["cpu"].vocab_size, 1)):
+        llm.add_request(f"r{i}", prompt, params, final_only=True)
+    for _ in range(10):  # prefill, and the first decode steps
+        engine.step()
+    results = []
+    for _ in range(rounds):
+        before, started = dict(engine.phases.seconds), time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - started) / steps
+        phases = {k: (v - before[k]) / steps for k, v in engine.phases.seconds.items()}
+        results.append({**phases, "step": wall, "host": wall - phases["forward"]})
+    return {"batch": batch, "async_scheduling": ahead,
+            **{k: round(1e3 * statistics.median(r[k] for r in results), 3) for k in results[0]}}
+
+
+@cli.command()
+def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: bool = True,
+         out: Path | None = None):
+    """Writes rows of milliseconds per step: host (wall less forward), each phase, and the whole step."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "step-host-model"
+    sizes = SIZES["cpu"]
+    sizes.model = TINY
+    path = build_model("cpu", sizes, torch.float32, workdir)
+    torch.set_num_threads(1)
+    cases = [(int(b), ahead) for b in batches.split(",") for ahead in ((False, True) if both else (False,))]
+    rows = [measure(b, ahead, rounds, steps, path) for b, ahead in tqdm(cases, desc="batches", unit="case")]
+    table = Table(title="decode step, ms (median of rounds)")
+    columns = ("batch", "async_scheduling", "host", "schedule", "prepare", "forward", "sample", "output", "step")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*(str(row[c]) for c in columns))
+    Console().print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"cpu": _cpu_flags(), "torch_threads": 1, "rows": rows}, indent=2))
+
+
+def _cpu_flags() -> str:
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags)
+
+
+if __name__ == "__main__":
+    cli()

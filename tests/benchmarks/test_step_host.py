@@ -1,0 +1,18 @@
+"""benchmarks/step_host.py at toy sizes: both modes measured, every phase a positive time, host = step less forward."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_host_time_benchmark_runs(tmp_path):
+    out = tmp_path / "step-host.json"
+    run = subprocess.run([sys.executable, "benchmarks/step_host.py", "--batches", "1,8", "--rounds", "2", "--steps", "5",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["async_scheduling"]) for r in rows] == [(1, False), (1, True), (8, False), (8, True)]
+    for row in rows:
+        assert row["forward"] > 0 and row["host"] > 0 and abs(row["host"] + row["forward"] - row["step"]) < 0.01
