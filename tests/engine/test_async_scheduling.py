@@ -109,3 +109,17 @@ def test_decode_steps_from_cuda_graph_buffers_fly_too(checkpoint, device):
     reference = run(llm, False, work)
     assert run(llm, True, work) == reference
     assert len(replays) > 20
+
+
+def test_the_core_in_its_own_process_serves_the_same_with_it_on(checkpoint):
+    """As served: the config's flag reaches the core process, whose loop sends a message every step (empty on a step
+    that only launched)."""
+    work = [(p, greedy(n)) for p, n in zip(prompts(5), [4, 19, 11, 27, 8])]
+    reference = run(engine(checkpoint, "cpu"), False, work)
+    llm = engine(checkpoint, "cpu", engine_process=True, async_scheduling=True)
+    try:
+        assert llm.core.settings["async_scheduling"] is True
+        outputs = llm.generate([p for p, _ in work], [params for _, params in work], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [reference[f"r{i}"] for i in range(len(work))]
