@@ -1,11 +1,12 @@
-"""Async scheduling (vLLM's `--async-scheduling`) for decode steps whose every row is a plain greedy decode: the host
-launches step N+1 before it reads step N's tokens, so its scheduling, input preparation and launch overlap the GPU's
+"""Async scheduling (vLLM's `--async-scheduling`) for decode steps whose every row draws its token with no host work
+around the draw (greedy, or sampled by temperature, top-k and min-p): the host launches step N+1 before it reads step
+N's tokens, so its scheduling, input preparation and launch overlap the GPU's
 work on step N instead of following it (on the first H100 run, ~5 of a 9.8 ms batch-256 step was host time with the
 GPU idle). Step N+1 takes step N's sampled ids on the device as its input tokens; a sequence that step N finishes
 (EOS, a stop id, its length) keeps a row in step N+1, whose token is dropped.
 
-One step is in flight at most. Anything else (a new request, a prefill, sampling, logprobs, a grammar, drafts, a
-block the pool cannot give without preempting) lands the step in flight and runs the ordinary, synchronous step.
+One step is in flight at most. Anything else (a new request, a prefill, top-p, logprobs, penalties, logit bias, a
+grammar, drafts, a block the pool cannot give without preempting) lands the step in flight and runs the ordinary, synchronous step.
 Freed blocks stay safe while a step still writes to them: every later writer is queued behind it on the stream, and
 the block a step writes into is never a published (prefix-cache) one, since its last token is not yet computed."""
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_runner import StepLogits
-from engine.sampler import INVALID_TOKEN, _plain_greedy, greedy_and_finite
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -26,7 +26,7 @@ class InFlight:
 
     batch: ScheduledBatch
     step: StepLogits
-    tokens: torch.Tensor  # on the device; INVALID_TOKEN where a row has no valid distribution
+    tokens: torch.Tensor  # on the device; INVALID_TOKEN (-1) where a row has no valid distribution
     host_tokens: torch.Tensor  # their copy on the host, written when `ready` is
     ready: torch.cuda.Event | None
 
@@ -37,11 +37,9 @@ class InFlight:
         return self.host_tokens.tolist()
 
 
-def launch(batch: ScheduledBatch, step: StepLogits) -> InFlight:
-    """Greedy tokens of a step on the device (as the Sampler picks them for plain greedy rows), copied to the host
-    without waiting: the copy is queued now, before the next step's work, so reading it waits for this step only."""
-    best, finite = greedy_and_finite(step.logits)
-    tokens = torch.where(finite, best, INVALID_TOKEN)
+def launch(batch: ScheduledBatch, step: StepLogits, tokens: torch.Tensor) -> InFlight:
+    """A step whose tokens are drawn on the device (`StepSampler.on_device`), their copy to the host queued now,
+    before the next step's work, so reading it waits for this step only."""
     if tokens.device.type != "cuda":
         return InFlight(batch, step, tokens, tokens, None)
     host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -52,11 +50,13 @@ def launch(batch: ScheduledBatch, step: StepLogits) -> InFlight:
 
 
 def flies(seq: Sequence) -> bool:
-    """Whether a running sequence's next step may be launched before its last token is read: a plain greedy decode
-    (no logprobs, bias, penalties, grammar, bans before min_tokens), which depends on nothing but that token."""
+    """Whether a running sequence's next step may be launched before its last token is read: a decode whose draw
+    depends on nothing but that token, and needs no host work before or after it (no logprobs, bias, penalties,
+    grammar, bans before min_tokens; top-p's candidate check reads the device)."""
     params = seq.params
-    return (seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens and _plain_greedy(params)
-            and params.prompt_logprobs is None and seq.runtime.grammar is None
+    return (seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
+            and (params.greedy or params.top_p >= 1.0) and not params.has_penalties and params.logprobs is None
+            and not params.logit_bias and params.prompt_logprobs is None and seq.runtime.grammar is None
             and seq.num_output_tokens >= params.min_tokens)
 
 

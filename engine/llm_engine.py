@@ -232,7 +232,7 @@ class LLMEngine:
         try:
             step = self.runner.execute_ahead(seqs, async_scheduling.next_input_ids(landing, seqs))
             with self.phases("sample"):
-                in_flight = async_scheduling.launch(batch, step)
+                in_flight = async_scheduling.launch(batch, step, self.sampler.on_device(step))
         except Exception:
             log.exception("launching a step ahead failed; the step before it lands first")
             return None
@@ -259,8 +259,8 @@ class LLMEngine:
         step = self.runner.execute(batch)
         if may_fly and not step.prompt and len(step.seqs) == len(batch) \
                 and all(async_scheduling.flies(seq) for seq in batch.seqs):
-            with self.phases("sample"):
-                self.in_flight = async_scheduling.launch(batch, step)  # read by the next step, after it launches its own
+            with self.phases("sample"):  # read by the next step, after it launches its own
+                self.in_flight = async_scheduling.launch(batch, step, self.sampler.on_device(step))
             return []
         for part in step.prompt:
             self.sampler.record_prompt_logprobs(part)

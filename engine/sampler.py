@@ -116,7 +116,7 @@ class Sampler:
         if all(p.greedy for p in params):
             tokens = _valid_or_invalid(greedy_tokens(logits), candidates)
         else:
-            tokens = self._sample(logits, params, generators, candidates, draft_token_ids)
+            tokens = _valid_or_invalid(*self._sample(logits, params, generators, candidates, draft_token_ids))
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
@@ -149,9 +149,23 @@ class Sampler:
                 logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
+    def tokens_on_device(self, logits: torch.Tensor, params: list[SamplingParams],
+                         generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The tokens of rows that need no host work before or after the draw (no logprobs, bias, bans, grammar,
+        penalties, top-p), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for
+        the device (async scheduling). The same tokens as `__call__` gives them."""
+        if all(_plain_greedy(p) for p in params):
+            best, finite = greedy_and_finite(logits)
+            return torch.where(finite, best, INVALID_TOKEN)
+        finite = finite_rows(logits)
+        logits = logits.to(torch.float32, copy=True)
+        tokens, valid = self._sample(logits, params, generators, finite & (logits.amax(-1) > float("-inf")))
+        return torch.where(valid, tokens, INVALID_TOKEN)
+
     @staticmethod
     def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                finite: torch.Tensor, draft_token_ids: list[int | None] | None = None) -> list[int]:
+                finite: torch.Tensor, draft_token_ids: list[int | None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once: temperature, then the top-k / top-p / min-p masks, then the inverse CDF at one uniform
         draw from the row's own generator (one random number per token, where a Gumbel race needs one per vocab entry).
         `logits` is the sampler's own float copy: it is worked on in place, since each fresh [n, vocab] temporary
@@ -186,7 +200,7 @@ class Sampler:
             tokens[accepted[0]] = accepted[1]
         if greedy:
             tokens[greedy] = greedy_rows
-        return _valid_or_invalid(tokens, finite & has_mass)
+        return tokens, finite & has_mass
 
     @staticmethod
     def _verify_drafts(weights: torch.Tensor, draws: torch.Tensor, rows: list[int], drafts: list[int]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import torch
+
 from engine.model_runner import PromptLogits, StepLogits
 from engine.sampler import Sampler
 from engine.sequence import Sequence
@@ -37,6 +39,12 @@ class StepSampler:
                                    step.logits.device),
             draft_token_ids=[d for seq in seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
         )
+
+    def on_device(self, step: StepLogits) -> torch.Tensor:
+        """One token per sequence of a step whose rows need no host work around the draw (async scheduling), left
+        on the device."""
+        return self.sampler.tokens_on_device(step.logits, [seq.params for seq in step.seqs],
+                                             [seq.runtime.generator for seq in step.seqs])
 
     def not_yet_allowed(self, seq: Sequence) -> tuple[int, ...] | set[int]:
         """Before min_tokens, the tokens that would end the request."""

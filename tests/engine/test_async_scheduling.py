@@ -1,6 +1,6 @@
 """Async scheduling (`engine/async_scheduling.py`): with it on, every request gets exactly the tokens it gets with it
-off (fp32, greedy), whatever ends it and whenever it ends; steps really are launched ahead; requests that arrive, are
-aborted or do not fly (sampling, logprobs) meanwhile are served as before; and no KV block is left held. On CPU the
+off (fp32, greedy and seeded sampling), whatever ends it and whenever it ends; steps really are launched ahead;
+requests that arrive, are aborted or do not fly (top-p, logprobs) meanwhile are served as before; and no KV block is left held. On CPU the
 steps are synchronous underneath, so this checks the bookkeeping; the GPU check measures the overlap. The same cases
 run on CUDA where there is one (marker `gpu`), with the decode steps in CUDA graphs."""
 import pytest
@@ -66,11 +66,26 @@ def test_the_same_tokens_as_synchronous_steps_whatever_ends_each_request(checkpo
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_draws_the_same_tokens_ahead(checkpoint, device):
+    """Temperature, top-k and min-p rows draw on the device from their own generators, one draw a step, as before."""
+    llm = engine(checkpoint, device)
+    kinds = [dict(temperature=0.8), dict(temperature=1.3, top_k=20), dict(temperature=0.7, min_p=0.05),
+             dict(temperature=0.0)]
+    work = [(p, SamplingParams(max_tokens=18 + 3 * i, seed=11 + i, ignore_eos=True, **kinds[i % len(kinds)]))
+            for i, p in enumerate(prompts(6))]
+    reference = run(llm, False, work)
+    ahead = llm.engine.num_steps_ahead
+    assert run(llm, True, work) == reference
+    assert llm.engine.num_steps_ahead - ahead >= 15
+    assert len({tuple(tokens) for tokens, _ in reference.values()}) == len(work)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_arrivals_aborts_and_requests_that_do_not_fly_are_served_as_before(checkpoint, device):
     llm = engine(checkpoint, device)
     work = [(p, greedy(20 + 3 * i)) for i, p in enumerate(prompts(5))]
-    work.append((prompts(6)[5], SamplingParams(max_tokens=12, temperature=0.8, seed=7)))  # sampled: lands every step
-    work.append((prompts(7)[6], greedy(15, logprobs=2)))
+    work.append((prompts(6)[5], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)))  # never flies
+    work.append((prompts(7)[6], greedy(15, logprobs=2)))  # nor this one
 
     def arrive_and_abort(llm, step):
         if step == 6:
