@@ -171,17 +171,18 @@ class Sampler:
         `logits` is the sampler's own float copy: it is worked on in place, since each fresh [n, vocab] temporary
         costs page faults on CPU."""
         n, vocab = logits.shape
-        column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        greedy_rows = greedy_tokens(logits[greedy]) if greedy else None
+        device = logits.device
+        column = lambda values: on_device(values, logits.dtype, device)[:, None]  # noqa: E731
+        greedy = on_device([i for i, p in enumerate(params) if p.greedy], torch.long, device)
+        greedy_rows = greedy_tokens(logits.index_select(0, greedy)) if len(greedy) else None
         temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
         if any(t != 1.0 for t in temperatures):
             logits.div_(column(temperatures))
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if min(top_k) < vocab:
             kth = logits.topk(max(k for k in top_k if k < vocab), dim=-1).values
-            kth = kth.gather(1, torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k], device=logits.device)[:, None])
-            kth[torch.tensor(top_k, device=logits.device) >= vocab] = float("-inf")  # rows without top-k keep everything
+            kth = kth.gather(1, on_device([min(k, kth.shape[1]) - 1 for k in top_k], torch.long, device)[:, None])
+            kth[on_device(top_k, torch.long, device) >= vocab] = float("-inf")  # rows without top-k keep everything
             logits.masked_fill_(logits < kth, float("-inf"))
         weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax up to each row's total
         nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
@@ -198,7 +199,7 @@ class Sampler:
         tokens, has_mass = inverse_cdf(weights, draws)
         if accepted is not None:
             tokens[accepted[0]] = accepted[1]
-        if greedy:
+        if greedy_rows is not None:
             tokens[greedy] = greedy_rows
         return tokens, finite & has_mass
 
@@ -273,6 +274,13 @@ class Sampler:
             entry.update(zip(top_ids[j][:wanted], top_values[j][:wanted]))
             picked[row] = entry
         return picked
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting: through pinned memory on CUDA, where a plain copy waits for
+    all work queued before it (with async scheduling, the step in flight)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
