@@ -314,7 +314,8 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
     _, results["attention_kernels"] = measure_kernels(device)
     for row in results["attention_kernels"]:
         log(f"attention kernel: {row}")
-    log(f"static batch {sizes.batches[-1]}: engine {results['engine_static']['tok_s']} tok/s, "
+    log(f"static batch {sizes.batches[-1]}: engine {results['engine_static']['tok_s']} tok/s "
+        f"({results['engine_static_async']['tok_s']} with async scheduling), "
         f"HF generate {results['hf_static']['tok_s']} tok/s; KV {results['kv']}")
     results["goals"] = goals(results, info, sizes)
     return results, failures
