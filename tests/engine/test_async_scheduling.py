@@ -1,8 +1,8 @@
 """Async scheduling (`engine/async_scheduling.py`): with it on, every request gets exactly the tokens it gets with it
 off (fp32, greedy and seeded sampling), whatever ends it and whenever it ends; steps really are launched ahead;
-requests that arrive, are aborted or do not fly (top-p, logprobs) meanwhile are served as before; and no KV block is left held. On CPU the
-steps are synchronous underneath, so this checks the bookkeeping; the GPU check measures the overlap. The same cases
-run on CUDA where there is one (marker `gpu`), with the decode steps in CUDA graphs."""
+requests that arrive, are aborted or do not fly (top-p, logprobs) meanwhile are served as before; and no KV block is
+left held. On CPU the steps are synchronous underneath, so this checks the bookkeeping; the GPU check measures the
+overlap. The same cases run on CUDA where there is one (marker `gpu`), with the decode steps in CUDA graphs."""
 import pytest
 
 from engine import LLM, SamplingParams
