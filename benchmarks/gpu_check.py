@@ -8,7 +8,8 @@ and nothing but a copy of the tree, it proves the CUDA path and measures it.
 3. The attention kernels alone against the GPU's peak (`benchmarks/triton_attention.py`).
 4. A random Qwen2.5-1.5B-shaped bf16 model built on the device (no download), measured in one run: decode tok/s and
    step time by batch, eager, in CUDA graphs, and in graphs with async scheduling; prefill of a 4k-token prompt; the
-   same workload through HF `generate` with static batches (the engine's with and without async scheduling); kernels launched per decode step; the KV blocks chosen against free memory.
+   same workload through HF `generate` with static batches (the engine's with and without async scheduling); where
+   the largest batch's step goes, with and without async scheduling (`gpu_step_profile.py`, torch's profiler); kernels launched per decode step; the KV blocks chosen against free memory.
 
 Writes `gpu_check.json` and `gpu_check.log` under --out; exits non-zero on any failed check (a goal missed is
 reported, not failed). `--device cpu` runs the same code at toy sizes, with the Triton kernels under triton's
@@ -303,6 +304,12 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
             engine.async_scheduling = True
             results["engine_static_async"] = engine_generate(llm, device, sizes.batches[-1], sizes)
             engine.async_scheduling = False
+            from gpu_step_profile import profile_steps  # the sibling script (it imports this one)
+
+            results["step_profile"] = [profile_steps(llm, device, sizes.batches[-1], 8 if device == "cuda" else 2, out,
+                                                     ahead) for ahead in (False, True)]
+            for row in results["step_profile"]:
+                log(f"profiled step: {row}")
             results["kv"] = {"blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
                              **_memory(device)}
             graphs = engine.runner.graphs

@@ -1,5 +1,6 @@
 """Where a graphed decode step's time goes, for gpu_check.py's missed goals: wall time of steps at one batch size
 against the GPU's busy time in them, and the top CUDA kernels and host-side ops by time (torch's profiler).
+`make gpu-check` runs it at its largest batch, with async scheduling and without; alone:
 
 python benchmarks/gpu_step_profile.py --batch 256 --out benchmarks/results/gpu-profile
 """
@@ -23,9 +24,8 @@ def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = F
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel, as gpu_check.py does
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     sizes = SIZES[device]
     out.mkdir(parents=True, exist_ok=True)
@@ -33,13 +33,27 @@ def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = F
     llm = LLM(model=build_model(device, sizes, dtype, out), device=device, dtype=str(dtype).removeprefix("torch."),
               max_num_seqs=max(batch, 8), max_num_batched_tokens=sizes.max_num_batched_tokens,
               num_kv_blocks=sizes.num_kv_blocks, enforce_eager=eager, attention_backend="triton")
-    llm.engine.async_scheduling = async_scheduling
-    ids = [f"p{i}" for i in range(batch)]
+    result = profile_steps(llm, device, batch, steps, out, async_scheduling)
+    print((out / result["file"]).read_text())
+
+
+def profile_steps(llm, device: str, batch: int, steps: int, out: Path, async_scheduling: bool) -> dict:
+    """`steps` decode steps of `batch` sequences under torch's profiler, after as many warm ones: the top kernels and
+    host ops into profile-<batch>[-async].txt under `out`; returns the step's wall and GPU-busy ms and its phases."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    engine, sizes = llm.engine, SIZES[device]
+    engine.async_scheduling, before = async_scheduling, engine.async_scheduling
+    ids = [f"profile-{i}" for i in range(batch)]
     _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 5),
            SamplingParams(max_tokens=3 * steps + 64, temperature=0.0, ignore_eos=True))
     for _ in range(steps):  # warm
         llm.step()
     sync(device)
+    phases = dict(engine.phases.seconds)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         started = time.perf_counter()
@@ -47,16 +61,20 @@ def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = F
             llm.step()
         sync(device)
         wall = time.perf_counter() - started
+    phases = {name: round(1e3 * (seconds - phases[name]) / steps, 3) for name, seconds in engine.phases.seconds.items()}
     _finish(llm, ids)
+    engine.async_scheduling = before
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) if device == "cuda" else 0.0
-    mode = ("eager" if eager else "graphs") + (" + async scheduling" if async_scheduling else "")
-    lines = [f"batch {batch}, {mode}: {1e3 * wall / steps:.2f} ms a step (profiled), "
-             f"GPU busy {gpu_us / 1e3 / steps:.2f} ms a step; phases {llm.engine.stats().step_seconds}",
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps if device == "cuda" else None
+    mode = ("eager" if engine.config.enforce_eager else "graphs") + (" + async scheduling" if async_scheduling else "")
+    name = f"profile-{batch}{'-async' if async_scheduling else ''}.txt"
+    lines = [f"batch {batch}, {mode}: {1e3 * wall / steps:.2f} ms a step (profiled), GPU busy "
+             f"{'n/a' if gpu_ms is None else f'{gpu_ms:.2f}'} ms a step; phases, ms a step: {phases}",
              "top by device time:", events.table(sort_by="self_device_time_total", row_limit=15),
              "top by host time:", events.table(sort_by="self_cpu_time_total", row_limit=25)]
-    (out / f"profile-{batch}{'-async' if async_scheduling else ''}.txt").write_text("\n".join(lines))
-    print("\n".join(lines))
+    (out / name).write_text("\n".join(lines))
+    return {"batch": batch, "async_scheduling": async_scheduling, "step_ms": round(1e3 * wall / steps, 3),
+            "gpu_busy_ms": gpu_ms and round(gpu_ms, 3), "phases_ms": phases, "file": name}
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert report["engine_static"]["tokens"] == report["engine_static_async"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
     assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
     assert len(report["attention_kernels"]) == 5
+    profiles = report["step_profile"]
+    assert [(p["batch"], p["async_scheduling"]) for p in profiles] == [(4, False), (4, True)]
+    assert all(p["step_ms"] > 0 and p["phases_ms"]["forward"] > 0 for p in profiles)
+    assert (tmp_path / "profile-4-async.txt").read_text().startswith("batch 4, graphs + async scheduling:")
     assert set(report["goals"]) == {"engine_10x_hf_static", "decode_50pct_roofline", "graphs_1_5x_eager_batch_1"}
     assert "all checks passed" in (tmp_path / "gpu_check.log").read_text()
 
