@@ -138,3 +138,35 @@ def test_the_core_in_its_own_process_serves_the_same_with_it_on(checkpoint):
     finally:
         llm.shutdown()
     assert [(o.token_ids, o.finish_reason) for o in outputs] == [reference[f"r{i}"] for i in range(len(work))]
+
+
+def test_non_finite_logits_ahead_fail_only_their_request(checkpoint, monkeypatch):
+    """A row without a valid distribution in a step launched ahead: its request fails when that step lands (its id
+    on the device is a placeholder for the step after), the others get their synchronous tokens."""
+    llm = engine(checkpoint, "cpu")
+    work = [(p, greedy(14)) for p in prompts(4)]
+    reference = run(llm, False, work)
+    runner, forward = llm.engine.runner, llm.engine.runner._forward
+
+    def nan_for_one(*args):
+        step = forward(*args)
+        for row, seq in enumerate(step.seqs):
+            if seq.request_id == "r1" and seq.num_output_tokens >= 5:
+                step.logits[row] = float("nan")
+        return step
+
+    monkeypatch.setattr(runner, "_forward", nan_for_one)
+    ahead = llm.engine.num_steps_ahead
+    llm.engine.async_scheduling = True
+    for i, (prompt, params) in enumerate(work):
+        llm.add_request(f"r{i}", prompt, params)
+    finals = {}
+    while llm.has_unfinished_requests():
+        finals.update({out.request_id: out for out in llm.step() if out.finished})
+    assert llm.engine.num_steps_ahead > ahead
+    failed = finals["r1"].token_ids  # 5 or 6 tokens: a step launched ahead sees its sequence one token short
+    assert "NaN" in finals["r1"].error and 5 <= len(failed) <= 6 and failed == reference["r1"][0][: len(failed)]
+    assert {i: (o.token_ids, o.finish_reason) for i, o in finals.items() if i != "r1"} == \
+        {i: v for i, v in reference.items() if i != "r1"}
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
