@@ -218,10 +218,12 @@ class LLMEngine:
 
     def _launch_ahead(self, landing: InFlight) -> InFlight | None:
         """Step N+1 on the device before step N (`landing`) is read, where every running sequence was in step N and
-        still flies, nothing waits to be admitted, and the pool holds their next slots without preempting anyone."""
+        still flies, nothing waiting could be admitted (a full batch admits no one: saturated, the queue waits), and
+        the pool holds their next slots without preempting anyone."""
         seqs = [seq for seq in landing.step.seqs if not seq.is_finished]  # aborted since it launched
-        bm = self.block_manager
-        if (not seqs or self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
+        bm, scheduler = self.block_manager, self.scheduler
+        if (not seqs or (scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs)
+                or len(scheduler.running) != len(seqs)
                 or not all(async_scheduling.flies(seq) and len(seq) < self.max_model_len for seq in seqs)
                 or sum(bm.blocks_needed(len(seq) + 1) - len(seq.block_table) for seq in seqs) > bm.num_free_blocks):
             return None

@@ -103,6 +103,17 @@ def test_arrivals_aborts_and_requests_that_do_not_fly_are_served_as_before(check
     assert run(llm, True, work) == run(llm, False, work)
 
 
+def test_a_full_batch_keeps_flying_while_requests_queue_and_admits_them_as_seats_free(checkpoint):
+    """Saturated: max_num_seqs run and more wait. No one waiting can be admitted, so steps keep launching ahead; a
+    finished request's seat goes to the next in line, in order."""
+    llm = engine(checkpoint, "cpu", max_num_seqs=3)
+    work = [(p, greedy(6 + 5 * (i % 3))) for i, p in enumerate(prompts(9))]
+    reference = run(llm, False, work)
+    ahead = llm.engine.num_steps_ahead
+    assert run(llm, True, work) == reference
+    assert llm.engine.num_steps_ahead - ahead >= 25  # 30 of 41 steps; 15 where any queue landed every step
+
+
 def test_a_pool_too_small_to_grow_ahead_lands_the_step_and_preempts_as_before(checkpoint):
     llm = engine(checkpoint, "cpu", num_kv_blocks=12)
     work = [(p, greedy(40)) for p in prompts(6)]
