@@ -20,6 +20,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0  # computed, not read from the prefix cache
     generation_tokens: int = 0
     num_preemptions: int = 0
+    num_steps_ahead: int = 0  # launched before the step before them was read (async scheduling)
     prefix_cache_queries: int = 0  # in blocks
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0

@@ -82,11 +82,12 @@ class LLMEngine:
         self.sampler = StepSampler(self.eos_token_ids)
         self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting))
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
-        self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0}
+        # num_steps_ahead: steps launched before the step before them was read (async scheduling)
+        self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0,
+                         "num_steps_ahead": 0}
         self.consecutive_failed_steps = 0  # steps in a row that failed for the engine's sake (step_recovery.py)
         self.async_scheduling = config.async_scheduling and self.speculator is None  # see engine/async_scheduling.py
         self.in_flight: InFlight | None = None  # a launched step not yet read (async scheduling)
-        self.num_steps_ahead = 0  # steps launched before the step before them was read
         self.step_started_at: float | None = None  # monotonic; None between steps
         log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
                  self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype, self.runner.num_blocks,
@@ -238,7 +239,7 @@ class LLMEngine:
         except Exception:
             log.exception("launching a step ahead failed; the step before it lands first")
             return None
-        self.num_steps_ahead += 1
+        self.counters["num_steps_ahead"] += 1
         return in_flight
 
     def _land(self, landing: InFlight) -> list[CoreOutput]:

@@ -50,6 +50,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_num_preemptions", "counter", "Sequences preempted (recomputed later)"),
     Metric("engine_request_success", "counter", "Finished requests", ("finish_reason",)),
     Metric("engine_steps", "counter", "Engine steps"),
+    Metric("engine_steps_launched_ahead", "counter",
+           "Steps launched before the step before them was read (async scheduling): their host work overlapped"),
     Metric("engine_spec_decode_num_drafts", "counter", "Sequence-steps that verified speculative drafts"),
     Metric("engine_spec_decode_num_draft_tokens", "counter", "Speculative draft tokens verified"),
     Metric("engine_spec_decode_num_accepted_tokens", "counter", "Speculative draft tokens accepted"),
@@ -68,6 +70,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
 COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_tokens": "generation_tokens",
                    "engine_prefix_cache_queries": "prefix_cache_queries", "engine_prefix_cache_hits": "prefix_cache_hits",
                    "engine_num_preemptions": "num_preemptions", "engine_steps": "num_steps",
+                   "engine_steps_launched_ahead": "num_steps_ahead",
                    "engine_spec_decode_num_drafts": "spec_drafts", "engine_spec_decode_num_draft_tokens": "spec_draft_tokens",
                    "engine_spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
 # labelled counter -> (its label, the EngineStats field holding the running totals by label value, the values)

@@ -55,9 +55,9 @@ def test_the_same_tokens_as_synchronous_steps_whatever_ends_each_request(checkpo
     lengths = [3, 17, 9, 30, 1, 24]
     work = [(p, greedy(n)) for p, n in zip(prompts(len(lengths)), lengths)]
     reference = run(llm, False, work)
-    ahead = llm.engine.num_steps_ahead
+    ahead = llm.engine.counters["num_steps_ahead"]
     assert run(llm, True, work) == reference
-    assert llm.engine.num_steps_ahead - ahead >= 20, "no step was launched ahead"
+    assert llm.engine.counters["num_steps_ahead"] - ahead >= 20, "no step was launched ahead"
     # a stop id that the greedy text reaches mid-way, and a length limit of the context, end requests too
     stop_at = reference["r3"][0][11]
     stopping = [(p, greedy(40, stop_token_ids=[stop_at])) for p, _ in work]
@@ -74,9 +74,9 @@ def test_seeded_sampling_draws_the_same_tokens_ahead(checkpoint, device):
     work = [(p, SamplingParams(max_tokens=18 + 3 * i, seed=11 + i, ignore_eos=True, **kinds[i % len(kinds)]))
             for i, p in enumerate(prompts(6))]
     reference = run(llm, False, work)
-    ahead = llm.engine.num_steps_ahead
+    ahead = llm.engine.counters["num_steps_ahead"]
     assert run(llm, True, work) == reference
-    assert llm.engine.num_steps_ahead - ahead >= 15
+    assert llm.engine.counters["num_steps_ahead"] - ahead >= 15
     assert len({tuple(tokens) for tokens, _ in reference.values()}) == len(work)
 
 
@@ -94,12 +94,12 @@ def test_arrivals_aborts_and_requests_that_do_not_fly_are_served_as_before(check
             llm.abort("r2")
 
     reference = run(llm, False, work[:5], arrive_and_abort)
-    ahead = llm.engine.num_steps_ahead
+    ahead = llm.engine.counters["num_steps_ahead"]
     result = run(llm, True, work[:5], arrive_and_abort)
     # the aborted request's count of tokens depends on when the abort landed: one step later, with steps ahead
     assert result.pop("r2")[1] == reference.pop("r2")[1] == "abort"
     assert result == reference and "late" in result
-    assert llm.engine.num_steps_ahead > ahead
+    assert llm.engine.counters["num_steps_ahead"] > ahead
     assert run(llm, True, work) == run(llm, False, work)
 
 
@@ -109,9 +109,9 @@ def test_a_full_batch_keeps_flying_while_requests_queue_and_admits_them_as_seats
     llm = engine(checkpoint, "cpu", max_num_seqs=3)
     work = [(p, greedy(6 + 5 * (i % 3))) for i, p in enumerate(prompts(9))]
     reference = run(llm, False, work)
-    ahead = llm.engine.num_steps_ahead
+    ahead = llm.engine.counters["num_steps_ahead"]
     assert run(llm, True, work) == reference
-    assert llm.engine.num_steps_ahead - ahead >= 25  # 30 of 41 steps; 15 where any queue landed every step
+    assert llm.engine.counters["num_steps_ahead"] - ahead >= 25  # 30 of 41 steps; 15 where any queue landed every step
 
 
 def test_a_pool_too_small_to_grow_ahead_lands_the_step_and_preempts_as_before(checkpoint):
@@ -167,14 +167,14 @@ def test_non_finite_logits_ahead_fail_only_their_request(checkpoint, monkeypatch
         return step
 
     monkeypatch.setattr(runner, "_forward", nan_for_one)
-    ahead = llm.engine.num_steps_ahead
+    ahead = llm.engine.counters["num_steps_ahead"]
     llm.engine.async_scheduling = True
     for i, (prompt, params) in enumerate(work):
         llm.add_request(f"r{i}", prompt, params)
     finals = {}
     while llm.has_unfinished_requests():
         finals.update({out.request_id: out for out in llm.step() if out.finished})
-    assert llm.engine.num_steps_ahead > ahead
+    assert llm.engine.counters["num_steps_ahead"] > ahead
     failed = finals["r1"].token_ids  # 5 or 6 tokens: a step launched ahead sees its sequence one token short
     assert "NaN" in finals["r1"].error and 5 <= len(failed) <= 6 and failed == reference["r1"][0][: len(failed)]
     assert {i: (o.token_ids, o.finish_reason) for i, o in finals.items() if i != "r1"} == \

@@ -29,6 +29,8 @@ CONTRACT = {
     "engine_gc_pause_seconds_total": "counter", "engine_resident_memory_bytes": "gauge",
     # added 2026-11-25 (issue 40: the block count the memory profile chose), to be written into design.md section 5
     "engine_kv_cache_blocks": "gauge",
+    # added 2026-11-27 (issue 40: async scheduling), to be written into design.md section 5
+    "engine_steps_launched_ahead_total": "counter",
 }
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
@@ -75,6 +77,21 @@ def test_counters_and_histograms_match_the_requests(llm32):
     assert sample(sink, "engine_resident_memory_bytes") > 100e6  # the model's weights at least
 
 
+def test_steps_launched_ahead_are_counted(llm32):
+    """Async scheduling's share of steps, for an operator who turned it on: each step launched ahead, once."""
+    engine = llm32.engine
+    sink = PrometheusSink()
+    engine.attach_metrics(StepMetrics(sink, "m"))
+    before, engine.async_scheduling = engine.counters["num_steps_ahead"], True
+    try:
+        llm32.generate(["Once upon a time"] * 3, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    finally:
+        engine.async_scheduling, engine.metrics = False, None
+    ahead = engine.counters["num_steps_ahead"] - before
+    assert ahead >= 8 and sample(sink, "engine_steps_launched_ahead_total") == ahead
+
+
 def test_every_contract_metric_is_exported_with_model_name():
     sink = PrometheusSink()
     metrics = StepMetrics(sink, "m")
@@ -83,6 +100,7 @@ def test_every_contract_metric_is_exported_with_model_name():
     metrics.finished(0.0, 0.3, "stop")
     stats = idle_stats(num_running=1, num_waiting=2, kv_blocks_free=3, kv_blocks_total=4, prompt_tokens=5,
                        generation_tokens=2, prefix_cache_queries=5, prefix_cache_hits=1, num_preemptions=1, num_steps=2,
+                       num_steps_ahead=1,
                        spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=3, resident_bytes=2**20,
                        gc_collections={0: 1}, gc_pause_seconds={0: 0.001}, step_seconds=dict.fromkeys(PHASES, 0.5))
     metrics.flush(stats, step_tokens=6)
