@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_memory import to_device
 from engine.model_runner import StepLogits
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -67,8 +68,5 @@ def next_input_ids(landing: InFlight, seqs: list[Sequence]) -> torch.Tensor:
     tokens = landing.tokens
     if len(seqs) != len(landing.step.seqs):
         row = {id(seq): i for i, seq in enumerate(landing.step.seqs)}
-        rows = torch.tensor([row[id(seq)] for seq in seqs])
-        if tokens.device.type == "cuda":  # a pageable copy would wait for the step in flight
-            rows = rows.pin_memory().to(tokens.device, non_blocking=True)
-        tokens = tokens[rows]
+        tokens = tokens[to_device(torch.tensor([row[id(seq)] for seq in seqs]), tokens.device)]
     return tokens.clamp(min=0)

@@ -9,7 +9,7 @@ from itertools import chain
 
 import torch
 from engine.cuda_graphs import DecodeGraphs
-from engine.host_memory import ask_huge_pages
+from engine.host_memory import ask_huge_pages, to_device
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillChunk
 from engine.models import Model
 from engine.scheduler import ScheduledBatch
@@ -123,13 +123,12 @@ class ModelRunner:
             rows.add(seq, num_new, drafts, self.block_size)
         num_decodes = sum(1 for n in num_new_tokens if n == 1)
         host = [rows.input_ids, rows.positions, rows.sample_indices + rows.prompt_indices, rows.slots]
-        host += self._decode_lists(seqs[:num_decodes], [s.num_computed_tokens + 1 for s in seqs[:num_decodes]]) \
-            if num_decodes else []
+        decode_lens = [seq.num_computed_tokens + 1 for seq in seqs[:num_decodes]]
+        host += self._decode_lists(seqs[:num_decodes], decode_lens) if num_decodes else []
         host += self._prefill_lists(seqs[num_decodes:], num_new_tokens[num_decodes:])
         device = iter(self._upload(host))
         input_ids, positions, logits_indices, slots = (next(device) for _ in range(4))
-        longest = max((seq.num_computed_tokens + 1 for seq in seqs[:num_decodes]), default=0)
-        decode = self._decode_batch(num_decodes, longest, device) if num_decodes else None
+        decode = self._decode_batch(num_decodes, max(decode_lens), device) if num_decodes else None
         meta = self._metadata(seqs[num_decodes:], num_new_tokens[num_decodes:], num_decodes, slots, decode, device)
         return (input_ids, positions, meta, logits_indices), len(rows.sample_indices), rows.sampling_seqs, rows.rows, \
             rows.prompt_spans
@@ -140,8 +139,7 @@ class ModelRunner:
         on the device (the step before's sampled ids, not yet read by the host), at position len(seqs[i])."""
         with self.phases("prepare"):
             positions = [len(seq) for seq in seqs]
-            bs = self.block_size
-            slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+            slots = [_slot(seq.block_table, p, self.block_size) for seq, p in zip(seqs, positions)]
             host = [positions, list(range(len(seqs))), slots, *self._decode_lists(seqs, [p + 1 for p in positions])]
             device = iter(self._upload(host))
             positions_on_device, logits_indices, slots_on_device = (next(device) for _ in range(3))
@@ -226,14 +224,10 @@ class ModelRunner:
         return self._tensor(list(chain.from_iterable(parts))).split([len(part) for part in parts])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        """Host ints to the device without waiting for it: through pinned memory on CUDA. By way of an array: at a
-        batch of 256, torch.tensor of the step's list of ~8,500 ints took 480 us, the array 136."""
+        """Host ints to the device without waiting for it, by way of an array: at a batch of 256, torch.tensor of the step's list of ~8,500 ints took 480 us, the array 136."""
         if not values:
             return torch.empty(0, dtype=torch.long, device=self.device)
-        host = torch.frombuffer(array("q", values), dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return to_device(torch.frombuffer(array("q", values), dtype=torch.long), self.device)
 
 
 class _StepRows:
@@ -260,8 +254,7 @@ class _StepRows:
             self.prompt_indices.extend(range(len(self.input_ids), len(self.input_ids) + count))
         self.input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
         self.positions.extend(range(start, end))
-        table = seq.block_table
-        self.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        self.slots.extend(_slot(seq.block_table, p, block_size) for p in range(start, end))
         if end - len(drafts) == len(seq):
             self.sample_indices.extend(range(len(self.input_ids) - 1 - len(drafts), len(self.input_ids)))
             self.sampling_seqs.append(seq)
@@ -270,10 +263,15 @@ class _StepRows:
     def _add_decode(self, seq: Sequence, position: int, block_size: int) -> None:
         self.input_ids.append(seq.token_ids[position])
         self.positions.append(position)
-        self.slots.append(seq.block_table[position // block_size] * block_size + position % block_size)
+        self.slots.append(_slot(seq.block_table, position, block_size))
         self.sample_indices.append(len(self.input_ids) - 1)
         self.sampling_seqs.append(seq)
         self.rows.append(1)
+
+
+def _slot(block_table: list[int], position: int, block_size: int) -> int:
+    """The pool slot of a sequence's token at `position`."""
+    return block_table[position // block_size] * block_size + position % block_size
 
 
 def _padded_flat(tables: list[list[int]], width: int) -> list[int]:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.host_memory import to_device
 from engine.sampling_params import SamplingParams
 
 NUCLEUS_CANDIDATES = 1024
@@ -172,8 +173,8 @@ class Sampler:
         costs page faults on CPU."""
         n, vocab = logits.shape
         device = logits.device
-        column = lambda values: on_device(values, logits.dtype, device)[:, None]  # noqa: E731
-        greedy = on_device([i for i, p in enumerate(params) if p.greedy], torch.long, device)
+        column = lambda values: to_device(torch.tensor(values, dtype=logits.dtype), device)[:, None]  # noqa: E731
+        greedy = to_device(torch.tensor([i for i, p in enumerate(params) if p.greedy], dtype=torch.long), device)
         greedy_rows = greedy_tokens(logits.index_select(0, greedy)) if len(greedy) else None
         temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
         if any(t != 1.0 for t in temperatures):
@@ -181,8 +182,8 @@ class Sampler:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if min(top_k) < vocab:
             kth = logits.topk(max(k for k in top_k if k < vocab), dim=-1).values
-            kth = kth.gather(1, on_device([min(k, kth.shape[1]) - 1 for k in top_k], torch.long, device)[:, None])
-            kth[on_device(top_k, torch.long, device) >= vocab] = float("-inf")  # rows without top-k keep everything
+            kth = kth.gather(1, to_device(torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k]), device)[:, None])
+            kth[to_device(torch.tensor(top_k), device) >= vocab] = float("-inf")  # rows without top-k keep everything
             logits.masked_fill_(logits < kth, float("-inf"))
         weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax up to each row's total
         nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
@@ -274,13 +275,6 @@ class Sampler:
             entry.update(zip(top_ids[j][:wanted], top_values[j][:wanted]))
             picked[row] = entry
         return picked
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting: through pinned memory on CUDA, where a plain copy waits for
-    all work queued before it (with async scheduling, the step in flight)."""
-    host = torch.tensor(values, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
