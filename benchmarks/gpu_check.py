@@ -9,7 +9,8 @@ and nothing but a copy of the tree, it proves the CUDA path and measures it.
 4. A random Qwen2.5-1.5B-shaped bf16 model built on the device (no download), measured in one run: decode tok/s and
    step time by batch, eager, in CUDA graphs, and in graphs with async scheduling; prefill of a 4k-token prompt; the
    same workload through HF `generate` with static batches (the engine's with and without async scheduling); where
-   the largest batch's step goes, with and without async scheduling (`gpu_step_profile.py`, torch's profiler); kernels launched per decode step; the KV blocks chosen against free memory.
+   the largest batch's step goes, with and without async scheduling (`gpu_step_profile.py`, torch's profiler);
+   kernels launched per decode step; the KV blocks chosen against free memory.
 
 Writes `gpu_check.json` and `gpu_check.log` under --out; exits non-zero on any failed check (a goal missed is
 reported, not failed). `--device cpu` runs the same code at toy sizes, with the Triton kernels under triton's
@@ -19,6 +20,7 @@ interpreter: `make test` runs it, so what reaches a GPU has already run end to e
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -166,6 +168,18 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes) -> dict:
             "tokens": tokens}
 
 
+@contextlib.contextmanager
+def async_scheduling(llm, on: bool):
+    """The engine's async scheduling (each decode step launched before the one before it is read) on or off for
+    what runs inside; as it was after."""
+    engine = llm.engine
+    before, engine.async_scheduling = engine.async_scheduling, on
+    try:
+        yield
+    finally:
+        engine.async_scheduling = before
+
+
 def _start(llm, ids: list[str], work: list[list[int]], params) -> None:
     """Add the requests and step until every one has its first token (the engine's counters run on across calls).
     Outputs come once, at the end, as `generate` has them: no reader pays for a RequestOutput each step."""
@@ -287,23 +301,21 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
         if settings["attention_backend"] != "triton":
             failures.append(f"attention_backend is {settings['attention_backend']}, not triton")
         for rows, ahead in ((mode, False), (f"{mode}_async", True)) if not eager else ((mode, False),):
-            engine.async_scheduling = ahead  # async scheduling: the next step launched before this one is read
-            results["decode"][rows] = [decode_rate(llm, device, batch, sizes) for batch in sizes.batches]
+            with async_scheduling(llm, ahead):
+                results["decode"][rows] = [decode_rate(llm, device, batch, sizes) for batch in sizes.batches]
             for row in results["decode"][rows]:
                 log(f"decode {rows} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s")
                 # with async scheduling the last step launched lands after the clock stops: one step fewer counted
                 if row["tokens"] not in {row["batch"] * steps for steps in (sizes.decode_steps, sizes.decode_steps - ahead)}:
                     failures.append(f"decode {rows} batch {row['batch']}: {row['tokens']} tokens")
-        engine.async_scheduling = False
         if eager:
             results["kernels_per_step"] = {b: kernels_per_decode_step(llm, device, b, sizes) for b in (1, sizes.batches[-1])}
             results["prefill"] = prefill_time(llm, device, sizes)
             log(f"kernels per decode step: {results['kernels_per_step']}; prefill {results['prefill']}")
         else:
             results["engine_static"] = engine_generate(llm, device, sizes.batches[-1], sizes)
-            engine.async_scheduling = True
-            results["engine_static_async"] = engine_generate(llm, device, sizes.batches[-1], sizes)
-            engine.async_scheduling = False
+            with async_scheduling(llm, True):
+                results["engine_static_async"] = engine_generate(llm, device, sizes.batches[-1], sizes)
             from gpu_step_profile import profile_steps  # the sibling script (it imports this one)
 
             results["step_profile"] = [profile_steps(llm, device, sizes.batches[-1], 8 if device == "cuda" else 2, out,

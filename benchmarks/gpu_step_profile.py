@@ -12,14 +12,14 @@ from pathlib import Path
 
 import typer
 
-from gpu_check import ROOT, SIZES, _finish, _start, build_model, prompts, sync  # the sibling script
+from gpu_check import ROOT, SIZES, _finish, _start, async_scheduling, build_model, prompts, sync  # the sibling script
 
 cli = typer.Typer(add_completion=False)
 
 
 @cli.command()
 def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = False,
-         async_scheduling: bool = typer.Option(False, help="launch each step before the one before it is read"),
+         ahead: bool = typer.Option(False, "--async-scheduling", help="launch each step before the one before it is read"),
          out: Path = typer.Option(ROOT / "benchmarks" / "results" / "gpu-profile")):
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel, as gpu_check.py does
@@ -33,47 +33,47 @@ def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = F
     llm = LLM(model=build_model(device, sizes, dtype, out), device=device, dtype=str(dtype).removeprefix("torch."),
               max_num_seqs=max(batch, 8), max_num_batched_tokens=sizes.max_num_batched_tokens,
               num_kv_blocks=sizes.num_kv_blocks, enforce_eager=eager, attention_backend="triton")
-    result = profile_steps(llm, device, batch, steps, out, async_scheduling)
+    result = profile_steps(llm, device, batch, steps, out, ahead)
     print((out / result["file"]).read_text())
 
 
-def profile_steps(llm, device: str, batch: int, steps: int, out: Path, async_scheduling: bool) -> dict:
+def profile_steps(llm, device: str, batch: int, steps: int, out: Path, ahead: bool) -> dict:
     """`steps` decode steps of `batch` sequences under torch's profiler, after as many warm ones: the top kernels and
-    host ops into profile-<batch>[-async].txt under `out`; returns the step's wall and GPU-busy ms and its phases."""
+    host ops into profile-<batch>[-async].txt under `out`; returns the step's wall and GPU-busy ms and its phases.
+    `ahead`: with async scheduling."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
 
     engine, sizes = llm.engine, SIZES[device]
-    engine.async_scheduling, before = async_scheduling, engine.async_scheduling
     ids = [f"profile-{i}" for i in range(batch)]
-    _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 5),
-           SamplingParams(max_tokens=3 * steps + 64, temperature=0.0, ignore_eos=True))
-    for _ in range(steps):  # warm
-        llm.step()
-    sync(device)
-    phases = dict(engine.phases.seconds)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        started = time.perf_counter()
-        for _ in range(steps):
+    with async_scheduling(llm, ahead):
+        _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, 5),
+               SamplingParams(max_tokens=3 * steps + 64, temperature=0.0, ignore_eos=True))
+        for _ in range(steps):  # warm
             llm.step()
         sync(device)
-        wall = time.perf_counter() - started
-    phases = {name: round(1e3 * (seconds - phases[name]) / steps, 3) for name, seconds in engine.phases.seconds.items()}
-    _finish(llm, ids)
-    engine.async_scheduling = before
+        phases = dict(engine.phases.seconds)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                llm.step()
+            sync(device)
+            wall = time.perf_counter() - started
+        phases = {name: round(1e3 * (seconds - phases[name]) / steps, 3) for name, seconds in engine.phases.seconds.items()}
+        _finish(llm, ids)
     events = prof.key_averages()
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps if device == "cuda" else None
-    mode = ("eager" if engine.config.enforce_eager else "graphs") + (" + async scheduling" if async_scheduling else "")
-    name = f"profile-{batch}{'-async' if async_scheduling else ''}.txt"
+    mode = ("eager" if engine.config.enforce_eager else "graphs") + (" + async scheduling" if ahead else "")
+    name = f"profile-{batch}{'-async' if ahead else ''}.txt"
     lines = [f"batch {batch}, {mode}: {1e3 * wall / steps:.2f} ms a step (profiled), GPU busy "
              f"{'n/a' if gpu_ms is None else f'{gpu_ms:.2f}'} ms a step; phases, ms a step: {phases}",
              "top by device time:", events.table(sort_by="self_device_time_total", row_limit=15),
              "top by host time:", events.table(sort_by="self_cpu_time_total", row_limit=25)]
     (out / name).write_text("\n".join(lines))
-    return {"batch": batch, "async_scheduling": async_scheduling, "step_ms": round(1e3 * wall / steps, 3),
+    return {"batch": batch, "async_scheduling": ahead, "step_ms": round(1e3 * wall / steps, 3),
             "gpu_busy_ms": gpu_ms and round(gpu_ms, 3), "phases_ms": phases, "file": name}
 
 

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_check import SIZES, build_model, prompts  # noqa: E402  the sibling script
+from bench import cpu_flags  # noqa: E402  the sibling scripts
+from gpu_check import SIZES, build_model, prompts  # noqa: E402
 
 cli = typer.Typer(add_completion=False)
 # one layer of width 64: the forward is ~1 ms at batch 256 on a CPU core, so the host's own work shows
@@ -77,12 +78,7 @@ def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: 
     Console().print(table)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"cpu": _cpu_flags(), "torch_threads": 1, "rows": rows}, indent=2))
-
-
-def _cpu_flags() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags)
+        out.write_text(json.dumps({"cpu": cpu_flags(), "torch_threads": 1, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
