@@ -106,8 +106,11 @@ class AsyncLLMEngine:
         self.settings = self.core.settings  # what the running engine actually uses
 
     def warm_up(self) -> None:
-        """One short generation before serving (the core process does its own before it reports ready)."""
+        """One short generation before serving (the core process does its own before it reports ready), and the
+        front end's grammar compiler: building its view of the tokenizer holds the interpreter lock about a second,
+        which the first structured request would otherwise take from every stream on this event loop."""
         self.core.warm_up()
+        self.inputs.grammars.warm_up()
 
     def attach_metrics(self, metrics: StepMetrics) -> None:
         """Report step metrics from now on. Call before the first request."""

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
 from engine.errors import EngineInputError
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import GrammarChecker, GrammarCompiler
 
 Messages = chat.Messages
 Prompt = Union[str, list[int], Messages]
@@ -23,7 +23,8 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.limits = limits
-        self.grammars = grammars or GrammarCompiler(tokenizer, limits.vocab_size)  # an in-process core's, shared
+        # an in-process core's compiler, shared; where the core compiles in its own process, a checker of our own
+        self.grammars = grammars or GrammarChecker(tokenizer, limits.vocab_size)
         # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
         self.max_prompt_chars = limits.max_model_len * max(map(len, tokenizer.get_vocab()))
 
@@ -37,7 +38,7 @@ class InputProcessor:
         token_ids = self.tokenize(prompt, tools)
         max_tokens = self._validated_max_tokens(len(token_ids), params)
         if params.structured_output is not None:
-            self.grammars.prepare(params.structured_output)  # refuses a schema that cannot compile, here
+            self.grammars.check(params.structured_output)  # refuses a schema that cannot compile, here
         return EngineRequest(request_id, token_ids, params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader)
 

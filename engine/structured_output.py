@@ -26,26 +26,23 @@ ANY_JSON_OBJECT = {"type": "object"}
 BITS = torch.arange(32, dtype=torch.int32)
 
 
-class GrammarCompiler:
-    """Compiles constraints against the model's tokenizer, caching the last `cache_size` distinct ones. Thread-safe:
-    requests are validated on callers' threads."""
+class _Grammars:
+    """Constraints against the model's tokenizer: llguidance's view of it, and the check that a constraint compiles
+    within LIMITS. Keeps the last `cache_size` distinct constraints it has seen. Thread-safe: requests are checked on
+    callers' threads."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 128):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._ll_tokenizer = None  # built on first use: it takes about a second
-        self._templates: OrderedDict[str, object] = OrderedDict()
+        self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()  # the cache
         self._tokenizer_lock = threading.Lock()
 
-    def matcher(self, spec: StructuredOutput):
-        """A fresh matcher at the start of `spec`'s grammar; EngineInputError if the schema cannot compile."""
-        return self.prepare(spec).deep_copy()
-
-    def is_compiled(self, spec: StructuredOutput) -> bool:
-        with self._lock:
-            return spec.key in self._templates
+    @property
+    def warm(self) -> bool:
+        return self._ll_tokenizer is not None
 
     def warm_up(self) -> None:
         """Build llguidance's view of the tokenizer (about a second, much of it holding the interpreter lock) and
@@ -54,26 +51,23 @@ class GrammarCompiler:
 
         self._tokenizer()
 
-    def prepare(self, spec: StructuredOutput):
-        """Compile `spec` into the cache, if it is not there yet (tens of ms, up to a second for a large schema:
-        callers that must not block call this on a worker thread first), and return its template matcher. The lock
-        guards the cache only, never a compile: a step loop asking `is_compiled` must not wait for one."""
+    def _cached(self, key: str):
         with self._lock:
-            template = self._templates.get(spec.key)
-            if template is not None:
-                self._templates.move_to_end(spec.key)
-                return template
-        template = self._compile(spec)  # two threads may compile one spec at once; either result serves
-        with self._lock:
-            self._templates[spec.key] = template
-            if len(self._templates) > self.cache_size:
-                self._templates.popitem(last=False)
-        return template
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+            return entry
 
-    def _compile(self, spec: StructuredOutput):
+    def _keep(self, key: str, entry) -> None:
+        with self._lock:
+            self._cache[key] = entry
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    def _validated(self, spec: StructuredOutput):
+        """`spec`'s grammar, checked to compile within LIMITS (a third of a compile's time); EngineInputError if not."""
         from llguidance import LLMatcher, LLParserLimits
 
-        tokenizer, limits = self._tokenizer(), LLParserLimits(**LIMITS)
         try:
             if spec.grammar is not None:
                 grammar = LLMatcher.grammar_from_lark(spec.grammar)
@@ -81,14 +75,11 @@ class GrammarCompiler:
                 grammar = LLMatcher.grammar_from_json_schema(spec.json_schema or ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise EngineInputError(f"response_format: the JSON schema is not valid JSON ({exc})", "response_format")
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=limits)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer(),
+                                                                      limits=LLParserLimits(**LIMITS))
         if is_error:
             raise EngineInputError(f"response_format: the constraint cannot be compiled: {messages[0]}", "response_format")
-        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)  # drops the interpreter lock as it builds
-        if matcher.is_error():
-            raise EngineInputError(f"response_format: the constraint cannot be compiled: {matcher.get_error()}",
-                                   "response_format")
-        return matcher
+        return grammar
 
     def _tokenizer(self):
         with self._tokenizer_lock:
@@ -97,6 +88,52 @@ class GrammarCompiler:
 
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
             return self._ll_tokenizer
+
+
+class GrammarChecker(_Grammars):
+    """A front end's, where the core compiles in a process of its own: refuses a constraint that cannot compile
+    before it is admitted, and compiles nothing (the core's compile is the one that is used)."""
+
+    def check(self, spec: StructuredOutput) -> None:
+        if self._cached(spec.key) is None:
+            self._validated(spec)
+            self._keep(spec.key, True)
+
+
+class GrammarCompiler(_Grammars):
+    """Compiles constraints into template matchers, caching them; a request gets a copy of its template."""
+
+    def check(self, spec: StructuredOutput) -> None:
+        """Refuse what cannot compile, compiling it into the cache (an in-process core's step would compile it)."""
+        self.prepare(spec)
+
+    def matcher(self, spec: StructuredOutput):
+        """A fresh matcher at the start of `spec`'s grammar; EngineInputError if the schema cannot compile."""
+        return self.prepare(spec).deep_copy()
+
+    def is_compiled(self, spec: StructuredOutput) -> bool:
+        with self._lock:
+            return spec.key in self._cache
+
+    def prepare(self, spec: StructuredOutput):
+        """Compile `spec` into the cache, if it is not there yet (tens of ms, up to a second for a large schema:
+        callers that must not block call this on a worker thread first), and return its template matcher. The lock
+        guards the cache only, never a compile: a step loop asking `is_compiled` must not wait for one."""
+        template = self._cached(spec.key)
+        if template is None:
+            template = self._compile(spec)  # two threads may compile one spec at once; either result serves
+            self._keep(spec.key, template)
+        return template
+
+    def _compile(self, spec: StructuredOutput):
+        from llguidance import LLMatcher, LLParserLimits
+
+        grammar = self._validated(spec)
+        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0, limits=LLParserLimits(**LIMITS))  # drops the GIL
+        if matcher.is_error():
+            raise EngineInputError(f"response_format: the constraint cannot be compiled: {matcher.get_error()}",
+                                   "response_format")
+        return matcher
 
 
 def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> GrammarMask | None:

@@ -60,10 +60,10 @@ class EngineReplica:
         return [self._tokenize(job) for job in jobs]
 
     def _tokenize(self, job: GenerationJob) -> list[int] | Refused:
-        """Tokens of the prompt, and the grammar compiled into the engine's cache: both slow, both off the loop."""
+        """Tokens of the prompt, and the grammar checked (an in-process engine: compiled): both slow, both off the loop."""
         try:
             if job.params.structured_output is not None:
-                self.frontend.inputs.grammars.prepare(job.params.structured_output)
+                self.frontend.inputs.grammars.check(job.params.structured_output)
             return self.frontend.inputs.tokenize(job.prompt, job.tools)
         except Exception as exc:
             return _refusal(exc, job)

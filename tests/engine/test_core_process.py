@@ -185,3 +185,16 @@ async def test_a_message_the_core_cannot_decode_is_dropped_and_the_core_serves_o
     core.core._to_core.send(b"\x93\x01\x02")  # msgpack, but not a CoreInputs
     outs = [o async for o in core.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))]
     assert len(outs[-1].token_ids) == 4 and core.health_problem() is None
+
+
+def test_warm_up_readies_the_front_ends_own_grammar_compiler_too():
+    """With the core in its own process the front end compiles with a compiler of its own (to refuse a bad schema
+    before admitting it); left cold, the first schema built llguidance's tokenizer on the serving replica, holding
+    the interpreter lock about a second: a 1.25-1.54 s gap in another client's stream (tests/serve/test_hostile_input)."""
+    engine = AsyncLLMEngine(**CONFIG)
+    try:
+        assert engine.inputs.grammars is not None and not engine.inputs.grammars.warm
+        engine.warm_up()
+        assert engine.inputs.grammars.warm
+    finally:
+        engine.shutdown()

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
+from engine.structured_output import GrammarChecker, GrammarCompiler
 
 pytestmark = pytest.mark.slow
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -51,7 +52,35 @@ def test_a_schema_that_cannot_compile_is_an_input_error_and_compiles_are_cached(
         llm32.add_request("bad-schema", "hi", SamplingParams(
             structured_output=StructuredOutput(json_schema={"type": "nonsense"})))
     compiler = llm32.engine.grammars
-    before = len(compiler._templates)
+    before = len(compiler._cache)
     for _ in range(2):
         compiler.matcher(StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "integer"}}}))
-    assert len(compiler._templates) == before + 1
+    assert len(compiler._cache) == before + 1
+
+
+CHECKED_SPECS = [
+    StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "integer"}}}),
+    StructuredOutput(json_schema={"type": "nonsense"}),
+    StructuredOutput(json_schema={"type": "string", "pattern": "[a-z"}),
+    StructuredOutput(json_schema={"enum": [f"value{i}" for i in range(120_000)]}),  # past the initial lexer fuel
+    StructuredOutput(json_schema={"type": "string", "pattern": "(a|b)*a(a|b){25}"}),  # a lexer state blow-up
+    StructuredOutput(grammar='start: "yes" | "no"'),
+    StructuredOutput(grammar="start: undefined_rule"),
+]
+
+
+@pytest.mark.parametrize("spec", CHECKED_SPECS, ids=["object", "bad-type", "bad-pattern", "too-big", "blow-up", "lark", "bad-lark"])
+def test_the_front_ends_checker_refuses_exactly_what_the_core_cannot_compile(llm32, spec):
+    """Where the core runs in its own process the front end only checks a constraint (a third of a compile) and
+    compiles nothing: it must refuse, with the same field, exactly the constraints the core's compile refuses."""
+    checker = GrammarChecker(llm32.engine.tokenizer, llm32.engine.vocab_size)
+    compiler = GrammarCompiler(llm32.engine.tokenizer, llm32.engine.vocab_size)
+    outcomes = []
+    for attempt in (checker.check, compiler.prepare):
+        try:
+            attempt(spec)
+            outcomes.append(None)
+        except EngineInputError as exc:
+            outcomes.append(exc.param)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert not compiler.is_compiled(spec) if outcomes[1] else compiler.is_compiled(spec)
