@@ -51,7 +51,7 @@ def test_the_tree_and_its_gpu_wheels_fit_the_device_copy():
     assert make.returncode == 0, make.stderr[-2000:]
     wheels = ROOT / ".whl"
     names = {p.name.split("-")[0].lower() for p in wheels.glob("*.whl")}
-    assert {"pydantic", "pydantic_core", "msgspec", "pyzmq", "llguidance"} <= names, names
+    assert {"pydantic", "pydantic_core", "msgspec", "pyzmq", "llguidance", "bitsandbytes"} <= names, names
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
     tree = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())

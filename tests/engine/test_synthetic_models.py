@@ -104,8 +104,7 @@ def test_nf4_and_int8_run_natively_and_match_transformers_on_the_same_weights(mo
     1e-5), so a token may differ from HF's argmax only within 0.1 of it. LLM.int8 splits out the input columns over
     6.0 across the whole batch of each call, so its numbers depend on what shares the call (the engine's batch, HF's
     one sequence): 0.5 there. A wrong weight or a dropped bias costs nats."""
-    # a package required on CPU machines; a GPU machine gets only the tree and wheels up to 64 MiB, and its 125 MB
-    # does not travel there
+    # required on CPU machines; a GPU machine has it only where `make gpu-wheels` shipped it (43 MB) with the tree
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed on this machine")
     from transformers import AutoModelForCausalLM
 
