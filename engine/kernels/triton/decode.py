@@ -85,9 +85,10 @@ def _merge_kernel(part_out, part_lse, out, stride_ob, stride_oh,
     lse = tl.load(part_lse + part)
     weights = tl.exp2(lse - tl.max(lse, 0))  # the first split always has blocks, so the max is finite
     d = tl.arange(0, D_PAD)
-    parts = tl.load(part_out + part[:, None] * D_PAD + d[None, :])
+    d_ok = d < HEAD_DIM  # the partials' padding lanes were never written: not read either
+    parts = tl.load(part_out + part[:, None] * D_PAD + d[None, :], mask=d_ok[None, :], other=0.0)
     result = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(out + seq * stride_ob + head * stride_oh + d, result.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out + seq * stride_ob + head * stride_oh + d, result.to(out.dtype.element_ty), mask=d_ok)
 
 
 def num_splits_for(batch: int, kv_heads: int, max_context: int, num_sms: int) -> int:
