@@ -17,7 +17,8 @@ from engine import AsyncLLMEngine, EngineDeadError, SamplingParams
 from engine.host_memory import HEAP_ON_HUGE_PAGES
 from engine.metrics import PrometheusSink, StepMetrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = pytest.mark.slow
+in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the async tests share the module's engine and loop
 CONFIG = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8, engine_process=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colours:"]
 
@@ -41,6 +42,7 @@ def core():
     engine.shutdown()
 
 
+@in_module_loop
 async def test_a_core_process_gives_the_in_process_engines_outputs(core, llm32):
     params = [SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, prompt_logprobs=1, stop=["\n\n"]),
               SamplingParams(max_tokens=12, temperature=0.8, seed=7),
@@ -86,6 +88,7 @@ def test_the_offline_llm_over_a_core_process_gives_the_inline_cores_outputs(llm3
         llm.shutdown()
 
 
+@in_module_loop
 async def test_the_cores_step_metrics_reach_the_parents_sink(core):
     sink = PrometheusSink()
     core.attach_metrics(StepMetrics(sink, "core-test"))
@@ -111,6 +114,7 @@ async def test_the_cores_step_metrics_reach_the_parents_sink(core):
     assert core.stats().kv_blocks_free == core.stats().kv_blocks_total
 
 
+@in_module_loop
 async def test_a_killed_core_fails_the_requests_in_flight_and_says_so_in_health():
     engine = AsyncLLMEngine(**CONFIG)
     try:
@@ -156,6 +160,7 @@ def test_the_core_dies_with_its_parent(tmp_path):
         parent.kill()
 
 
+@in_module_loop
 async def test_repeated_starts_and_stops_leave_no_process_socket_or_block_behind():
     socket_dirs = lambda: set(Path(tempfile.gettempdir()).glob("engine-core-*"))  # noqa: E731
     before_children, before_fds, before_dirs = children_of(os.getpid()), len(os.listdir("/proc/self/fd")), socket_dirs()
@@ -173,12 +178,14 @@ async def test_repeated_starts_and_stops_leave_no_process_socket_or_block_behind
     assert socket_dirs() == before_dirs, "a socket directory was left behind"
 
 
+@in_module_loop
 async def test_the_core_process_starts_with_its_heap_on_huge_pages(core):
     environ = Path(f"/proc/{core.stats().core_pid}/environ").read_bytes().split(b"\0")
     tunables = next(v for v in environ if v.startswith(b"GLIBC_TUNABLES=")).split(b"=", 1)[1].decode()
     assert HEAP_ON_HUGE_PAGES in tunables.split(":")
 
 
+@in_module_loop
 async def test_a_message_the_core_cannot_decode_is_dropped_and_the_core_serves_on(core):
     """The core used to die on a CoreInputs it could not decode, failing every request in flight."""
     core.core._to_core.send(b"\xc1 not msgpack")
