@@ -22,7 +22,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     text: str
-    token_ids: list[int]
+    num_tokens: int  # len(token_ids), without copying them
     delta_text: str
     delta_token_ids: list[int]
     finish_reason: str | None
@@ -31,6 +31,14 @@ class RequestOutput:
     error: str | None = field(default=None)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position, when asked for
+    # The request's own list of output tokens, which only grows (as `logprobs` does): this output's are its first
+    # num_tokens. A copy each output cost a stream O(length) a step (256 streams at 2,000 tokens: 1.7 ms a step).
+    live_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token as of this output: a copy, made when asked for."""
+        return self.live_token_ids[: self.num_tokens]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -146,20 +154,21 @@ class OutputProcessor:
         """The request's state now, with what is new since its last output as the deltas."""
         finished = reason is not None
         visible = len(request.text) if finished else max(request.sent_text_len, len(request.text) - request.stop_holdback)
-        token_ids = list(request.token_ids)
+        num_tokens = len(request.token_ids)
         result = RequestOutput(
             request_id=out.request_id,
             prompt_token_ids=request.prompt_token_ids,
             text=request.text[:visible],
-            token_ids=token_ids,
+            num_tokens=num_tokens,
             delta_text=request.text[request.sent_text_len:visible],
-            delta_token_ids=token_ids[request.sent_token_len:],
+            delta_token_ids=request.token_ids[request.sent_token_len:],
             finish_reason=reason,
             metrics=out.metrics,
             logprobs=request.logprobs,
             error=error,
             num_cached_tokens=out.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs,
+            live_token_ids=request.token_ids,
         )
-        request.sent_text_len, request.sent_token_len = visible, len(token_ids)
+        request.sent_text_len, request.sent_token_len = visible, num_tokens
         return result

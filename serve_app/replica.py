@@ -124,7 +124,7 @@ class EngineReplica:
                     delta.prompt_logprobs, scores_sent = prompt_scores, True
                 if all(sent is None for sent in sent_tokens):  # the request's first chunk
                     self.signals.first_token(time.monotonic() - started)
-                sent_tokens[index], held_text[index] = len(last.token_ids), ""
+                sent_tokens[index], held_text[index] = last.num_tokens, ""
                 _hold(streams[index], sent_tokens[index], interval)
                 yield delta
         finally:
@@ -143,8 +143,8 @@ class EngineReplica:
         logprobs = None
         if top_logprobs is not None and last.logprobs is not None:
             logprobs = [_token_logprob(self._token_texts, token, entry, top_logprobs)
-                        for token, entry in zip(last.token_ids[sent_tokens:], last.logprobs[sent_tokens:])]
-        return Delta(index, text, len(last.token_ids), last.finish_reason,
+                        for token, entry in zip(last.live_token_ids[sent_tokens:last.num_tokens], last.logprobs[sent_tokens:])]
+        return Delta(index, text, last.num_tokens, last.finish_reason,
                      last.error, logprobs, last.num_cached_tokens)
 
     def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
@@ -257,4 +257,4 @@ def _due(last: RequestOutput, sent_tokens: int | None, stream_interval: int | No
         return True
     if stream_interval is None:
         return False
-    return sent_tokens is None or len(last.token_ids) - sent_tokens >= stream_interval
+    return sent_tokens is None or last.num_tokens - sent_tokens >= stream_interval

@@ -44,6 +44,18 @@ def test_one_token_at_a_time_the_deltas_add_up_to_the_text_and_hold_no_broken_ch
     assert last.token_ids == tokens and last.finished and "r" not in processor.requests
 
 
+def test_each_output_keeps_the_tokens_it_was_made_with_while_later_ones_grow(tokenizer):
+    """Outputs share the request's growing token list instead of copying it (O(length) a step a stream): each must
+    still read as of its own making, however many outputs come after it."""
+    processor = start(tokenizer)
+    tokens = ids_of(tokenizer, "one two three four five")
+    outputs = [processor.process([core([token])])[0][0] for token in tokens]
+    for made, out in enumerate(outputs, start=1):
+        assert out.num_tokens == made and out.token_ids == tokens[:made] and out.delta_token_ids == [tokens[made - 1]]
+    outputs[0].token_ids.append(0)  # a reader's copy: the others do not see it
+    assert outputs[-1].token_ids == tokens
+
+
 def test_a_stop_string_ends_the_request_here_cut_before_it_and_names_it_for_the_core(tokenizer):
     processor = start(tokenizer, stop=["STOP"])
     tokens = ids_of(tokenizer, "Hello world. STOP here and more")
