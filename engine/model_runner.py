@@ -224,7 +224,8 @@ class ModelRunner:
         return self._tensor(list(chain.from_iterable(parts))).split([len(part) for part in parts])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        """Host ints to the device without waiting for it, by way of an array: at a batch of 256, torch.tensor of the step's list of ~8,500 ints took 480 us, the array 136."""
+        """Host ints to the device without waiting for it, by way of an array: at a batch of 256, torch.tensor of the
+        step's list of ~8,500 ints took 480 us, the array 136."""
         if not values:
             return torch.empty(0, dtype=torch.long, device=self.device)
         return to_device(torch.frombuffer(array("q", values), dtype=torch.long), self.device)

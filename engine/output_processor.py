@@ -38,7 +38,11 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         """Every output token as of this output: a copy, made when asked for."""
-        return self.live_token_ids[: self.num_tokens]
+        return self.token_ids_since(0)
+
+    def token_ids_since(self, start: int) -> list[int]:
+        """This output's tokens from `start` on, without copying those before."""
+        return self.live_token_ids[start : self.num_tokens]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -156,12 +156,10 @@ class Sampler:
         penalties, top-p), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for
         the device (async scheduling). The same tokens as `__call__` gives them."""
         if all(_plain_greedy(p) for p in params):
-            best, finite = greedy_and_finite(logits)
-            return torch.where(finite, best, INVALID_TOKEN)
+            return _marked_invalid(*greedy_and_finite(logits))
         finite = finite_rows(logits)
         logits = logits.to(torch.float32, copy=True)
-        tokens, valid = self._sample(logits, params, generators, finite & (logits.amax(-1) > float("-inf")))
-        return torch.where(valid, tokens, INVALID_TOKEN)
+        return _marked_invalid(*self._sample(logits, params, generators, finite & (logits.amax(-1) > float("-inf"))))
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -174,7 +172,9 @@ class Sampler:
         n, vocab = logits.shape
         device = logits.device
         column = lambda values: to_device(torch.tensor(values, dtype=logits.dtype), device)[:, None]  # noqa: E731
-        greedy = to_device(torch.tensor([i for i, p in enumerate(params) if p.greedy], dtype=torch.long), device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:  # their index goes to the device without a wait (async scheduling), and only where there are some
+            greedy = to_device(torch.tensor(greedy, dtype=torch.long), device)
         greedy_rows = greedy_tokens(logits.index_select(0, greedy)) if len(greedy) else None
         temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
         if any(t != 1.0 for t in temperatures):
@@ -281,8 +281,12 @@ def _plain_greedy(p: SamplingParams) -> bool:
     return p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
 
 
+def _marked_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, tokens, INVALID_TOKEN)
+
+
 def _valid_or_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> list[int]:
-    return torch.where(valid, tokens, INVALID_TOKEN).tolist()  # one host sync for the whole batch
+    return _marked_invalid(tokens, valid).tolist()  # one host sync for the whole batch
 
 
 def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

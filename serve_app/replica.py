@@ -143,7 +143,7 @@ class EngineReplica:
         logprobs = None
         if top_logprobs is not None and last.logprobs is not None:
             logprobs = [_token_logprob(self._token_texts, token, entry, top_logprobs)
-                        for token, entry in zip(last.live_token_ids[sent_tokens:last.num_tokens], last.logprobs[sent_tokens:])]
+                        for token, entry in zip(last.token_ids_since(sent_tokens), last.logprobs[sent_tokens:])]
         return Delta(index, text, last.num_tokens, last.finish_reason,
                      last.error, logprobs, last.num_cached_tokens)
 

@@ -194,14 +194,10 @@ async def test_a_message_the_core_cannot_decode_is_dropped_and_the_core_serves_o
     assert len(outs[-1].token_ids) == 4 and core.health_problem() is None
 
 
-def test_warm_up_readies_the_front_ends_own_grammar_compiler_too():
-    """With the core in its own process the front end compiles with a compiler of its own (to refuse a bad schema
+def test_warm_up_readies_the_front_ends_own_grammar_checker_too(core):
+    """With the core in its own process the front end checks schemas with a checker of its own (to refuse a bad one
     before admitting it); left cold, the first schema built llguidance's tokenizer on the serving replica, holding
     the interpreter lock about a second: a 1.25-1.54 s gap in another client's stream (tests/serve/test_hostile_input)."""
-    engine = AsyncLLMEngine(**CONFIG)
-    try:
-        assert engine.inputs.grammars is not None and not engine.inputs.grammars.warm
-        engine.warm_up()
-        assert engine.inputs.grammars.warm
-    finally:
-        engine.shutdown()
+    assert core.inputs.grammars is not None and not core.inputs.grammars.warm
+    core.warm_up()
+    assert core.inputs.grammars.warm

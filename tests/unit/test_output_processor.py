@@ -52,6 +52,7 @@ def test_each_output_keeps_the_tokens_it_was_made_with_while_later_ones_grow(tok
     outputs = [processor.process([core([token])])[0][0] for token in tokens]
     for made, out in enumerate(outputs, start=1):
         assert out.num_tokens == made and out.token_ids == tokens[:made] and out.delta_token_ids == [tokens[made - 1]]
+        assert out.token_ids_since(max(0, made - 2)) == tokens[max(0, made - 2) : made]
     outputs[0].token_ids.append(0)  # a reader's copy: the others do not see it
     assert outputs[-1].token_ids == tokens
 
