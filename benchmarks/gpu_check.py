@@ -65,6 +65,7 @@ SIZES = {
     # every case marked gpu, and the kernel tests (which run on CUDA where there is one); none needs the embedded model
     "cuda": Sizes(QWEN_1_5B, 151936, [1, 32, 128, 256], 32, 128, 64, 4096, 256, 4096, None,
                   ["tests/engine/kernels/test_triton_attention.py", "tests/engine/kernels/test_triton_fused_ops.py",
+                   "tests/engine/kernels/test_triton_greedy.py",
                    "tests/engine/test_synthetic_models.py", "tests/engine/test_async_scheduling.py",
                    "tests/engine/test_cuda_graphs.py", "-m", "gpu or not slow", "-p", "no:cacheprovider"]),
     "cpu": Sizes(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

@@ -1,7 +1,12 @@
 """The Triton attention kernels alone, against the GPU's peak: decode at batch 1/32/256 and contexts 256/2k/32k, and
 a 4k-token prefill, Qwen2.5-1.5B's attention shape (12 query heads, 2 KV heads of 128, bf16). Each sequence's blocks
 are scattered over the pool. Decode is judged by the bytes it must read (every K and V of every context, once, and
-nothing padded: the kernel reads the pool in place) per second; prefill by its causal FLOPs per second.
+nothing padded: the kernel reads the pool in place) per second; prefill by its causal FLOPs per second. Then the
+greedy sampler over Qwen's 152k vocabulary at batch 1 and 256, the Triton kernel against the torch ops, by the bytes
+of logits read.
+
+On CUDA a case is timed as a CUDA graph of several calls, as the engine's decode step runs: device time, not the
+Python of a launch (the first H100 run timed single launches, and its small cases, ~100 us, were mostly that).
 
 python benchmarks/triton_attention.py                 # on the GPU
 python benchmarks/triton_attention.py --device cpu    # toy shapes under triton's interpreter: the script itself runs
@@ -40,24 +45,39 @@ def scattered_pool(batch: int, context: int, kv_heads: int, head_dim: int, block
     return k, v, tables
 
 
+GRAPHED_CALLS = 10  # calls a CUDA graph replays per timing
+
+
 def timed(fn, device: str, repeats: int) -> float:
     """Median seconds of one call, after a warm-up (the first call compiles)."""
-    import torch
-
     fn()
+    if device == "cuda":
+        return _graph_timed(fn, repeats)
     times = []
     for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def _graph_timed(fn, repeats: int) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPHED_CALLS):
             fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / GRAPHED_CALLS)
     return sorted(times)[len(times) // 2]
 
 
@@ -92,18 +112,38 @@ def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_si
             "tflop_s": round(flops / seconds / 1e12, 2)}
 
 
+def greedy_cases(batch: int, vocab: int, device, repeats: int) -> list[dict]:
+    """The greedy tokens of a step's bf16 logits: the Triton kernel CUDA's sampler runs, and the torch ops it
+    replaced (which the CPU's still runs)."""
+    import torch
+
+    from engine.kernels.triton.greedy import greedy_or_invalid
+    from engine.sampler import INVALID_TOKEN, _marked_invalid, greedy_and_finite
+
+    logits = torch.randn(batch, vocab, device=device, dtype=torch.bfloat16)
+    ways = {"greedy (triton)": lambda: greedy_or_invalid(logits, INVALID_TOKEN),
+            "greedy (torch)": lambda: _marked_invalid(*greedy_and_finite(logits))}
+    rows = []
+    for kind, fn in ways.items():
+        seconds = timed(fn, device, repeats)
+        rows.append({"kind": kind, "batch": batch, "context": vocab, "splits": 1, "us": round(seconds * 1e6, 1),
+                     "gb_s": round(logits.numel() * logits.element_size() / seconds / 1e9, 1)})
+    return rows
+
+
 def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
-    """(device name, rows): the decode grid and the prefill, each with its share of the device's peak if known."""
+    """(device name, rows): the decode grid, the prefill and the greedy sampler, each with its share of the device's
+    peak if known."""
     import torch
 
     heads, kv_heads, head_dim, block_size, dtype = HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         name, num_sms = props.name, props.multi_processor_count
-        batches, contexts, prefill, repeats = (1, 32, 256), (256, 2048, 32768), 4096, repeats
+        batches, contexts, prefill, vocab, repeats = (1, 32, 256), (256, 2048, 32768), 4096, 151936, repeats
     else:
         name, num_sms = "cpu (interpreter)", 4
-        batches, contexts, prefill, repeats = (1, 4), (64, 300), 96, 1
+        batches, contexts, prefill, vocab, repeats = (1, 4), (64, 300), 96, 3000, 1
     rows = []
     for batch in batches:
         for context in contexts:
@@ -111,6 +151,8 @@ def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
                 continue
             rows.append(decode_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, device, num_sms, repeats))
     rows.append(prefill_case(prefill, heads, kv_heads, head_dim, block_size, dtype, device, repeats))
+    for batch in (batches[0], batches[-1]):
+        rows += greedy_cases(batch, vocab, device, repeats)
     peak = peak_of(name)
     for row in rows:
         if peak is not None:
@@ -124,7 +166,8 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu: toy shapes under
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel
     name, rows = measure_kernels(device, repeats)
-    table = Table(title=f"Triton attention on {name}: {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, bf16, blocks of {BLOCK_SIZE}")
+    table = Table(title=f"Triton kernels on {name}: attention {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, bf16, blocks of "
+                        f"{BLOCK_SIZE}; greedy over bf16 logits (context: the vocabulary)")
     for column in ("kind", "batch", "context", "splits", "us", "GB/s or TFLOP/s", "of peak"):
         table.add_column(column, justify="right")
     for row in rows:

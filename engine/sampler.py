@@ -50,6 +50,16 @@ def greedy_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return best.indices, best.values.isfinite() & logits.amin(-1).isfinite()
 
 
+def greedy_or_invalid(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, or INVALID_TOKEN where the row is not finite, left on the device. On CUDA one Triton kernel
+    reads the logits once, where the torch ops read them twice and launch six kernels."""
+    if logits.is_cuda:
+        from engine.kernels.triton.greedy import greedy_or_invalid as one_pass  # imports triton: only where it runs
+
+        return one_pass(logits if logits.stride(-1) == 1 else logits.contiguous(), INVALID_TOKEN)
+    return _marked_invalid(*greedy_and_finite(logits))
+
+
 class GrammarMask(NamedTuple):
     """Which tokens each constrained row may take next: `allowed[j]` (bool [vocab]) is row `rows[j]`'s."""
     rows: list[int]
@@ -92,7 +102,7 @@ class Sampler:
         if len(worked) == n:
             return self._work(logits, params, generators, output_token_ids, prompt_token_ids, banned_token_ids,
                               grammar, draft_token_ids)
-        tokens, logprobs = _valid_or_invalid(*greedy_and_finite(logits)), [None] * n  # no float copy of the logits
+        tokens, logprobs = greedy_or_invalid(logits).tolist(), [None] * n  # no float copy of the logits
         if worked:
             pick = lambda values: [values[i] for i in worked] if values is not None else None  # noqa: E731
             rows = torch.tensor(worked, device=logits.device)
@@ -156,7 +166,7 @@ class Sampler:
         penalties, top-p), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for
         the device (async scheduling). The same tokens as `__call__` gives them."""
         if all(_plain_greedy(p) for p in params):
-            return _marked_invalid(*greedy_and_finite(logits))
+            return greedy_or_invalid(logits)
         finite = finite_rows(logits)
         logits = logits.to(torch.float32, copy=True)
         return _marked_invalid(*self._sample(logits, params, generators, finite & (logits.amax(-1) > float("-inf"))))
