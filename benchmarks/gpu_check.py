@@ -118,7 +118,7 @@ def run_tests(args: list[str], log: Log, out: Path) -> dict:
     started = time.perf_counter()
     with (out / "pytest.log").open("w") as sink:
         try:
-            code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", *args], cwd=ROOT, stdout=sink,
+            code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=15", *args], cwd=ROOT, stdout=sink,
                                   stderr=subprocess.STDOUT, timeout=TESTS_TIMEOUT_S).returncode
         except subprocess.TimeoutExpired:  # the measurements still run: they are what the GPU time is for
             code = f"timeout after {TESTS_TIMEOUT_S} s"
@@ -392,6 +392,13 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu for toy sizes und
     report["failures"] += failures
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     log(f"goals: {json.dumps(report['goals'])}")
+    if device == "cuda":  # last, after the JSON is written once: the data for the kernels' defaults, not a check
+        from benchmarks.triton_attention import tiling_cases
+
+        report["kernel_tilings"] = tiling_cases(device, 10)
+        for row in report["kernel_tilings"]:
+            log(f"kernel tiling: {row}")
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     log(f"{'FAILED: ' + '; '.join(report['failures']) if report['failures'] else 'all checks passed'}; "
         f"{out / 'gpu_check.json'}")
     raise typer.Exit(1 if report["failures"] else 0)

@@ -5,6 +5,10 @@ nothing padded: the kernel reads the pool in place) per second; prefill by its c
 greedy sampler over Qwen's 152k vocabulary at batch 1 and 256, the Triton kernel against the torch ops, by the bytes
 of logits read.
 
+Last, a sweep of the kernels' tilings (rows a program takes, context positions a loop step reads, warps, pipeline
+stages) on the prefill and on two decode shapes, each checked against the default's output: the data the engine's
+defaults are to be chosen from, which no GPU has measured yet.
+
 On CUDA a case is timed as a CUDA graph of several calls, as the engine's decode step runs: device time, not the
 Python of a launch (the first H100 run timed single launches, and its small cases, ~100 us, were mostly that).
 
@@ -46,6 +50,12 @@ def scattered_pool(batch: int, context: int, kv_heads: int, head_dim: int, block
 
 
 GRAPHED_CALLS = 10  # calls a CUDA graph replays per timing
+# each entry a set of keyword arguments for prefill_launch / decode_launches; {} is the engine's default
+PREFILL_TILINGS = [{}, dict(num_stages=2), dict(rows_per_program=128, num_stages=2),
+                   dict(rows_per_program=128, num_warps=8, num_stages=2), dict(rows_per_program=128, tile=128, num_warps=8, num_stages=2),
+                   dict(rows_per_program=128, num_warps=8, num_stages=3), dict(tile=128, num_stages=2)]
+DECODE_TILINGS = [{}, dict(tile=32), dict(tile=128), dict(tile=128, num_warps=8), dict(tile=256, num_warps=8),
+                  dict(num_warps=2)]
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -131,6 +141,60 @@ def greedy_cases(batch: int, vocab: int, device, repeats: int) -> list[dict]:
     return rows
 
 
+def tiling_cases(device: str, repeats: int) -> list[dict]:
+    """Each tiling of PREFILL_TILINGS and DECODE_TILINGS: its time, and whether its output is the default's (within
+    bf16 rounding of a different summation order). A tiling the GPU cannot build is reported, not raised."""
+    import torch
+
+    from engine.kernels.triton.decode import decode_launches, num_splits_for
+    from engine.kernels.triton.prefill import prefill_launch
+
+    cuda = device == "cuda"
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
+    prefill_tokens, decode_shapes = (4096, [(256, 2048), (1, 32768)]) if cuda else (80, [(3, 100)])
+    tilings = (PREFILL_TILINGS, DECODE_TILINGS) if cuda else (PREFILL_TILINGS[:1] + PREFILL_TILINGS[4:5], DECODE_TILINGS[:3])
+
+    def prefill_runner(tokens):
+        k, v, tables = scattered_pool(1, tokens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, device)
+        query = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        starts, lens = torch.tensor([0, tokens], device=device), torch.tensor([tokens], device=device)
+        out = torch.empty_like(query)
+        return out, lambda tiling: [prefill_launch(query, k, v, tables, starts, lens, tokens, HEAD_DIM**-0.5, out,
+                                                   **tiling)]
+
+    def decode_runner(batch, context):
+        k, v, tables = scattered_pool(batch, context, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, device)
+        query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        lens, out = torch.full((batch,), context, device=device), torch.empty_like(query)
+        splits = num_splits_for(batch, KV_HEADS, context, num_sms)
+        return out, lambda tiling: decode_launches(query, k, v, tables, lens, HEAD_DIM**-0.5, splits, out, **tiling)
+
+    shapes = [("prefill", 1, prefill_tokens, prefill_runner(prefill_tokens), tilings[0])]
+    shapes += [("decode", b, c, decode_runner(b, c), tilings[1]) for b, c in decode_shapes]
+    rows = []
+    for kind, batch, context, (out, launches_for), kind_tilings in shapes:
+        reference = None
+        for tiling in kind_tilings:
+            row = {"kind": f"{kind} tiling", "batch": batch, "context": context, "tiling": _label(tiling)}
+            try:
+                launches = launches_for(tiling)
+                out.fill_(float("nan"))  # a tiling that writes nothing must not pass on the one before's output
+                seconds = timed(lambda: [launch.run() for launch in launches], device, repeats)
+            except Exception as error:  # out of shared memory, say: a tiling this GPU cannot take
+                rows.append({**row, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+                continue
+            result = out.clone()
+            reference = result if reference is None else reference
+            rows.append({**row, "us": round(seconds * 1e6, 1),
+                         "matches_default": bool(torch.allclose(result.float(), reference.float(), atol=2e-2, rtol=2e-2))})
+    return rows
+
+
+def _label(tiling: dict) -> str:
+    names = {"rows_per_program": "rows", "tile": "tile", "num_warps": "warps", "num_stages": "stages"}
+    return " ".join(f"{names[key]}={value}" for key, value in tiling.items()) or "default"
+
+
 def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
     """(device name, rows): the decode grid, the prefill and the greedy sampler, each with its share of the device's
     peak if known."""
@@ -162,10 +226,12 @@ def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
 
 @cli.command()
 def main(device: str = typer.Option("cuda", help="cuda, or cpu: toy shapes under triton's interpreter"),
-         out: Path | None = typer.Option(None, help="a JSON file for the rows"), repeats: int = 10):
+         out: Path | None = typer.Option(None, help="a JSON file for the rows"), repeats: int = 10,
+         tilings: bool = typer.Option(True, help="also sweep the kernels' tilings")):
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel
     name, rows = measure_kernels(device, repeats)
+    swept = tiling_cases(device, repeats) if tilings else []
     table = Table(title=f"Triton kernels on {name}: attention {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, bf16, blocks of "
                         f"{BLOCK_SIZE}; greedy over bf16 logits (context: the vocabulary)")
     for column in ("kind", "batch", "context", "splits", "us", "GB/s or TFLOP/s", "of peak"):
@@ -175,8 +241,20 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu: toy shapes under
         table.add_row(row["kind"], str(row["batch"]), str(row["context"]), str(row["splits"]), f"{row['us']:,.1f}",
                       str(rate), f"{row['of_peak']:.0%}" if "of_peak" in row else "-")
     Console().print(table)
+    if swept:
+        print_tilings(swept)
     if out is not None:
-        out.write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+        out.write_text(json.dumps({"device": name, "rows": rows, "tilings": swept}, indent=2))
+
+
+def print_tilings(rows: list[dict]) -> None:
+    table = Table(title="the kernels' tilings, bf16 (default: what the engine launches)")
+    for column in ("kind", "batch", "context", "tiling", "us", "matches default"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row["kind"], str(row["batch"]), str(row["context"]), str(row["tiling"]),
+                      f"{row['us']:,.1f}" if "us" in row else row["error"], str(row.get("matches_default", "-")))
+    Console().print(table)
 
 
 if __name__ == "__main__":

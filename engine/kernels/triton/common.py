@@ -27,6 +27,11 @@ def tile_for(block_size: int) -> int:
     return max(block_size, MIN_TILE)
 
 
+def launch_options(num_warps: int | None, num_stages: int | None) -> dict:
+    """Triton's launch options where given (benchmarks/triton_attention.py sweeps them); its defaults otherwise."""
+    return {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None}
+
+
 @triton.jit
 def load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, head_offset, stride_cb, stride_co,
                  BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import LOG2E, MIN_DOT, dot_flags, load_kv_tile, tile_for
+from engine.kernels.triton.common import LOG2E, MIN_DOT, dot_flags, launch_options, load_kv_tile, tile_for
 from engine.kernels.triton.launch import Launch
 
 MAX_SPLITS = 16
@@ -112,7 +112,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-def decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling, num_splits, out) -> list[Launch]:
+def decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling, num_splits, out,
+                    tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> list[Launch]:
+    """The engine launches the defaults; the rest is for benchmarks/triton_attention.py's sweep (`tile`: context
+    positions a loop step reads)."""
     batch, heads, head_dim = query.shape
     kv_heads, _, block_size, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and query.stride(-1) == 1 and num_splits == triton.next_power_of_2(num_splits)
@@ -127,7 +130,8 @@ def decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1)),
         dict(GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-             BLOCK_SIZE=block_size, TILE=tile_for(block_size), NUM_SPLITS=num_splits, **dot_flags(query.dtype)))]
+             BLOCK_SIZE=block_size, TILE=tile or tile_for(block_size), NUM_SPLITS=num_splits, **dot_flags(query.dtype)),
+        launch_options(num_warps, num_stages))]
     if num_splits > 1:
         launches.append(Launch(_merge_kernel, (batch, heads), (parts, lse, out, out.stride(0), out.stride(1)),
                                dict(HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits)))

@@ -23,9 +23,10 @@ class Launch:
     grid: tuple[int, ...]
     args: tuple
     constexprs: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # num_warps, num_stages: triton's defaults where absent
 
     def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs)
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
 
     def compile_for(self, target: GPUTarget):
         """The compiled kernel (its `.asm` holds the PTX and cubin) for `target`; raises on any compile error."""
@@ -35,7 +36,7 @@ class Launch:
         runtime_names = [name for name in fn.arg_names if name not in self.constexprs]
         signature = dict(zip(runtime_names, map(_type_of, self.args)))
         signature.update({name: "constexpr" for name in self.constexprs})
-        return triton.compile(ASTSource(fn, signature, self.constexprs), target=target)
+        return triton.compile(ASTSource(fn, signature, self.constexprs), target=target, options=self.options or None)
 
 
 def _type_of(arg) -> str:

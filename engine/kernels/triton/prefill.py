@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import LOG2E, MIN_DOT, dot_flags, load_kv_tile, tile_for
+from engine.kernels.triton.common import LOG2E, MIN_DOT, dot_flags, launch_options, load_kv_tile, tile_for
 from engine.kernels.triton.launch import Launch
 
 ROWS_PER_PROGRAM = 64  # BLOCK_Q x padded group
@@ -82,13 +82,16 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def prefill_launch(query, k_cache, v_cache, block_tables, query_starts, context_lens, max_query_len, scaling,
-                   out) -> Launch:
+                   out, rows_per_program: int = ROWS_PER_PROGRAM, tile: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> Launch:
+    """The engine launches the defaults; the rest is for benchmarks/triton_attention.py's sweep (`tile`: context
+    positions a loop step reads)."""
     _, heads, head_dim = query.shape
     kv_heads, _, block_size, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and query.stride(-1) == 1
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = max(1, ROWS_PER_PROGRAM // group_pad)
+    block_q = max(1, rows_per_program // group_pad)
     while block_q * group_pad < MIN_DOT:
         block_q *= 2
     grid = (context_lens.shape[0], triton.cdiv(max_query_len, block_q), kv_heads)
@@ -97,4 +100,5 @@ def prefill_launch(query, k_cache, v_cache, block_tables, query_starts, context_
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1)),
         dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-             D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, TILE=tile_for(block_size), **dot_flags(query.dtype)))
+             D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, TILE=tile or tile_for(block_size),
+             **dot_flags(query.dtype)), launch_options(num_warps, num_stages))
