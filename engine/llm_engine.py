@@ -31,7 +31,7 @@ from engine.sequence import Sequence
 from engine.speculative import Speculator, accepted_length
 from engine.step_recovery import retry_in_groups
 from engine.step_sampler import StepSampler
-from engine.step_stats import GcPauses, PhaseTimer, stats_of
+from engine.step_stats import GcPauses, PhaseTimer, ResidentMemory, stats_of
 from engine.structured_output import GrammarCompiler
 from engine.request_progress import StopChecker, core_output, new_progress
 
@@ -65,6 +65,7 @@ class LLMEngine:
             paged_prefill_op(self.dtype, kv_geometry(self.model.config)[2], config.block_size)
         self.phases = PhaseTimer(cuda=self.device.type == "cuda")
         self.gc_pauses = GcPauses()
+        self.resident_memory = ResidentMemory()
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
                                   self.phases, triton=self.attention_backend == "triton", prefill_kernel=prefill_kernel)
         self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
@@ -392,5 +393,5 @@ class LLMEngine:
             prefix_cache_evictions=bm.prefix_cache_evictions, num_preemptions=self.scheduler.num_preemptions,
             consecutive_failed_steps=self.consecutive_failed_steps, metrics_share_of_step=self.metrics_share_of_step,
             **self.counters, **(self.speculator.counters if self.speculator is not None else {}),
-            **stats_of(self.phases, self.gc_pauses))
+            **stats_of(self.phases, self.gc_pauses, self.resident_memory))
 

@@ -3,7 +3,7 @@ import gc
 import mmap
 import time
 
-from engine.step_stats import GcPauses, PhaseTimer, resident_bytes
+from engine.step_stats import GcPauses, PhaseTimer, ResidentMemory, resident_bytes
 
 
 def test_phase_timer_adds_up_each_phase_even_when_it_raises():
@@ -38,4 +38,14 @@ def test_resident_bytes_grow_with_touched_memory():
     for offset in range(0, len(block), mmap.PAGESIZE):
         block[offset] = 1
     assert resident_bytes() - before > 32 << 20
+    block.close()
+
+
+def test_the_resident_gauge_reads_proc_again_only_once_its_interval_has_passed():
+    block = mmap.mmap(-1, 64 << 20)
+    every_step, once_a_minute = ResidentMemory(every_s=0.0), ResidentMemory(every_s=60.0)
+    before = every_step(), once_a_minute()
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
+    assert every_step() - before[0] > 32 << 20 and once_a_minute() == before[1]
     block.close()
