@@ -3,12 +3,13 @@ same tests run on a GPU machine that gets only a copy of the tree. Greedy output
 fp32 forward at every position, in every scheduling mode, on every attention backend of the device: on CPU the torch
 path, the C++ kernel and the Triton kernels under triton's interpreter; on CUDA (marker `gpu`, deselected where
 there is no GPU) the Triton kernels and the torch path."""
+import asyncio
 import json
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, StructuredOutput
+from engine import LLM, AsyncLLMEngine, SamplingParams, StructuredOutput
 from engine.config import SpeculativeConfig
 from engine.cpu_kernels import have_compiler
 from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
@@ -162,6 +163,38 @@ def test_structured_output_follows_its_schema_and_leaves_batch_mates_alone(model
     value = json.loads(answer.text)
     assert answer.finish_reason == "stop" and set(value) == {"ok", "color"} and value["color"] in COLOR["properties"]["color"]["enum"]
     assert mate.token_ids == alone.token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device,backend", on(("cpu", "torch")))
+def test_a_core_process_streams_what_the_in_process_engine_gives(models, tokenizer, device, backend):
+    """What a served replica runs: the front end here, the core in its own process (over ZeroMQ, on the device),
+    with async scheduling on; the streams add up to what the in-process engine gives, greedy, seeded and with
+    logprobs."""
+    path, _ = models["qwen2-hd128"]
+    prompts = varied_prompts(tokenizer)[1:5]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, top_k=50, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=5, ignore_eos=True)]
+    settings = dict(model=path, dtype="float32", device=device, attention_backend=backend, num_kv_blocks=128)
+    expected = LLM(**settings).generate(prompts, params, use_tqdm=False)
+    core = AsyncLLMEngine(**settings, engine_process=True, async_scheduling=True)
+    try:
+        async def stream(i):
+            return [o async for o in core.generate(prompts[i], params[i], f"r{i}")]
+
+        async def all_streams():
+            return await asyncio.gather(*(stream(i) for i in range(len(prompts))))
+
+        streams = asyncio.run(all_streams())
+        assert core.stats().num_steps_ahead > 0, "async scheduling never launched a step ahead"
+    finally:
+        core.shutdown()
+    for outs, want in zip(streams, expected):
+        assert sum((o.delta_token_ids for o in outs), []) == outs[-1].token_ids == want.token_ids
+        assert outs[-1].finish_reason == want.finish_reason == "length"
+    assert [sorted(e) for e in streams[2][-1].logprobs] == [sorted(e) for e in expected[2].logprobs]
 
 
 @pytest.mark.gpu
