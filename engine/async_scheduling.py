@@ -1,11 +1,11 @@
 """Async scheduling (vLLM's `--async-scheduling`) for decode steps whose every row draws its token with no host work
-around the draw (greedy, or sampled by temperature, top-k and min-p): the host launches step N+1 before it reads
+around the draw (greedy, or sampled by temperature, top-k, top-p and min-p): the host launches step N+1 before it reads
 step N's tokens, so its scheduling, input preparation and launch overlap the GPU's work on step N instead of
 following it (on the first H100 run, ~5 of a 9.8 ms batch-256 step was host time with the GPU idle). Step N+1 takes
 step N's sampled ids on the device as its input tokens; a sequence that step N finishes (EOS, a stop id, its length)
 keeps a row in step N+1, whose token is dropped.
 
-One step is in flight at most. Anything else (a new request, a prefill, top-p, logprobs, penalties, logit bias, a
+One step is in flight at most. Anything else (a new request, a prefill, logprobs, penalties, logit bias, a
 grammar, drafts, a block the pool cannot give without preempting) lands the step in flight and runs the ordinary,
 synchronous step. Freed blocks stay safe while a step still writes to them: every later writer is queued behind it
 on the stream, and the block a step writes into is never a published (prefix-cache) one, since its last token is
@@ -54,10 +54,10 @@ def launch(batch: ScheduledBatch, step: StepLogits, tokens: torch.Tensor) -> InF
 def flies(seq: Sequence) -> bool:
     """Whether a running sequence's next step may be launched before its last token is read: a decode whose draw
     depends on nothing but that token, and needs no host work before or after it (no logprobs, bias, penalties,
-    grammar, bans before min_tokens; top-p's candidate check reads the device)."""
+    grammar, bans before min_tokens)."""
     params = seq.params
     return (seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
-            and (params.greedy or params.top_p >= 1.0) and not params.has_penalties and params.logprobs is None
+            and not params.has_penalties and params.logprobs is None
             and not params.logit_bias and params.prompt_logprobs is None and seq.runtime.grammar is None
             and seq.num_output_tokens >= params.min_tokens)
 

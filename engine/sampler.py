@@ -163,8 +163,8 @@ class Sampler:
     def tokens_on_device(self, logits: torch.Tensor, params: list[SamplingParams],
                          generators: list[torch.Generator | None]) -> torch.Tensor:
         """The tokens of rows that need no host work before or after the draw (no logprobs, bias, bans, grammar,
-        penalties, top-p), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for
-        the device (async scheduling). The same tokens as `__call__` gives them."""
+        penalties), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for a CUDA
+        device (async scheduling). The same tokens as `__call__` gives them."""
         if all(_plain_greedy(p) for p in params):
             return greedy_or_invalid(logits)
         finite = finite_rows(logits)
@@ -193,12 +193,13 @@ class Sampler:
         if min(top_k) < vocab:
             kth = logits.topk(max(k for k in top_k if k < vocab), dim=-1).values
             kth = kth.gather(1, to_device(torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k]), device)[:, None])
-            kth[to_device(torch.tensor(top_k), device) >= vocab] = float("-inf")  # rows without top-k keep everything
+            # rows without top-k keep everything (masked_fill: a boolean index would read the device back)
+            kth.masked_fill_(to_device(torch.tensor(top_k), device)[:, None] >= vocab, float("-inf"))
             logits.masked_fill_(logits < kth, float("-inf"))
         weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax up to each row's total
         nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if nucleus_rows:
-            rows = torch.tensor(nucleus_rows, device=logits.device)
+            rows = to_device(torch.tensor(nucleus_rows), device)
             selected = weights[rows]
             top_p = column([params[i].top_p for i in nucleus_rows])
             weights[rows] = Sampler._nucleus(selected / selected.sum(-1, keepdim=True), top_p)
@@ -232,13 +233,13 @@ class Sampler:
 
     @staticmethod
     def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        """Keep the smallest set of tokens whose mass reaches top_p. A full sort of the vocabulary costs ~2 ms a row
-        on CPU, so the top candidates are tried first; rows they do not cover fall back to the sort."""
-        values, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
-        if bool((values.sum(-1, keepdim=True) < top_p).any()):
-            values, order = probs.sort(dim=-1, descending=True)
-        drop = values.cumsum(-1) - values > top_p
-        return torch.zeros_like(probs).scatter(1, order, values.masked_fill(drop, 0.0))
+        """Keep the smallest set of tokens whose mass reaches top_p (a token stays when the mass above it is at most
+        top_p). On CUDA by bisection in one Triton kernel, which never reads the device back (async scheduling)."""
+        if probs.is_cuda:
+            from engine.kernels.triton.nucleus import nucleus  # imports triton: only where it runs
+
+            return nucleus(probs, top_p)
+        return nucleus_by_candidates(probs, top_p)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
@@ -285,6 +286,16 @@ class Sampler:
             entry.update(zip(top_ids[j][:wanted], top_values[j][:wanted]))
             picked[row] = entry
         return picked
+
+
+def nucleus_by_candidates(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The CPU's top-p: a full sort of the vocabulary costs ~2 ms a row there, so the top candidates are tried first;
+    rows they do not cover fall back to the sort (which it reads the device to know: free on CPU)."""
+    values, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
+    if bool((values.sum(-1, keepdim=True) < top_p).any()):
+        values, order = probs.sort(dim=-1, descending=True)
+    drop = values.cumsum(-1) - values > top_p
+    return torch.zeros_like(probs).scatter(1, order, values.masked_fill(drop, 0.0))
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

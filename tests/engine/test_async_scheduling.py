@@ -1,9 +1,11 @@
 """Async scheduling (`engine/async_scheduling.py`): with it on, every request gets exactly the tokens it gets with it
 off (fp32, greedy and seeded sampling), whatever ends it and whenever it ends; steps really are launched ahead;
-requests that arrive, are aborted or do not fly (top-p, logprobs) meanwhile are served as before; and no KV block is
-left held. On CPU the steps are synchronous underneath, so this checks the bookkeeping; the GPU check measures the
-overlap. The same cases run on CUDA where there is one (marker `gpu`), with the decode steps in CUDA graphs."""
+requests that arrive, are aborted or do not fly (logprobs, penalties) meanwhile are served as before; and no KV block
+is left held. On CPU the steps are synchronous underneath, so this checks the bookkeeping; the GPU check measures the
+overlap. The same cases run on CUDA where there is one (marker `gpu`), with the decode steps in CUDA graphs, where a
+step launched ahead must not wait for the device once."""
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.fixtures.tiny_models import tiny_checkpoint
@@ -67,12 +69,13 @@ def test_the_same_tokens_as_synchronous_steps_whatever_ends_each_request(checkpo
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_seeded_sampling_draws_the_same_tokens_ahead(checkpoint, device):
-    """Temperature, top-k and min-p rows draw on the device from their own generators, one draw a step, as before."""
+    """Temperature, top-k, top-p and min-p rows draw on the device from their own generators, one draw a step, as
+    before."""
     llm = engine(checkpoint, device)
     kinds = [dict(temperature=0.8), dict(temperature=1.3, top_k=20), dict(temperature=0.7, min_p=0.05),
-             dict(temperature=0.0)]
+             dict(temperature=0.0), dict(temperature=1.1, top_p=0.8), dict(temperature=0.9, top_k=40, top_p=0.95)]
     work = [(p, SamplingParams(max_tokens=18 + 3 * i, seed=11 + i, ignore_eos=True, **kinds[i % len(kinds)]))
-            for i, p in enumerate(prompts(6))]
+            for i, p in enumerate(prompts(len(kinds)))]
     reference = run(llm, False, work)
     ahead = llm.engine.counters["num_steps_ahead"]
     assert run(llm, True, work) == reference
@@ -84,7 +87,7 @@ def test_seeded_sampling_draws_the_same_tokens_ahead(checkpoint, device):
 def test_arrivals_aborts_and_requests_that_do_not_fly_are_served_as_before(checkpoint, device):
     llm = engine(checkpoint, device)
     work = [(p, greedy(20 + 3 * i)) for i, p in enumerate(prompts(5))]
-    work.append((prompts(6)[5], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)))  # never flies
+    work.append((prompts(6)[5], SamplingParams(max_tokens=12, temperature=0.8, presence_penalty=0.5, seed=7)))  # never flies
     work.append((prompts(7)[6], greedy(15, logprobs=2)))  # nor this one
 
     def arrive_and_abort(llm, step):
@@ -135,6 +138,32 @@ def test_decode_steps_from_cuda_graph_buffers_fly_too(checkpoint, device):
     reference = run(llm, False, work)
     assert run(llm, True, work) == reference
     assert len(replays) > 20
+
+
+@pytest.mark.gpu
+def test_a_step_launched_ahead_never_waits_for_the_device(checkpoint):
+    """On CUDA, the launch of a step ahead (its inputs, the graph's replay, the draw of greedy, temperature, top-k,
+    top-p and min-p rows) under torch's sync debug mode set to raise: a sync there would fail the launch, and the
+    step would land synchronously instead, which the count of steps ahead shows."""
+    llm = engine(checkpoint, "cuda", backend="triton")
+    runner, sampler = llm.engine.runner, llm.engine.sampler
+    for owner, name in ((runner, "execute_ahead"), (sampler, "on_device")):
+        setattr(owner, name, _never_syncing(getattr(owner, name)))
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=20), dict(temperature=1.1, top_p=0.8),
+             dict(temperature=0.7, min_p=0.05)]
+    work = [(p, SamplingParams(max_tokens=24, seed=3 + i, ignore_eos=True, **kinds[i % 4])) for i, p in enumerate(prompts(8))]
+    run(llm, True, work)
+    assert llm.engine.counters["num_steps_ahead"] >= 20
+
+
+def _never_syncing(call):
+    def wrapped(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return call(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return wrapped
 
 
 def test_the_core_in_its_own_process_serves_the_same_with_it_on(checkpoint):

@@ -19,6 +19,7 @@ def launches(dtype: torch.dtype, head_dim: int, group: int) -> dict:
     from engine.kernels.triton.decode import decode_launches
     from engine.kernels.triton.fused_ops import add_rms_norm_launch, rotary_launch, silu_and_mul_launch
     from engine.kernels.triton.greedy import greedy_launches
+    from engine.kernels.triton.nucleus import nucleus_threshold_launch
     from engine.kernels.triton.kv_write import write_kv_launch
     from engine.kernels.triton.prefill import prefill_launch
 
@@ -42,6 +43,7 @@ def launches(dtype: torch.dtype, head_dim: int, group: int) -> dict:
         "silu_and_mul": silu_and_mul_launch(hidden, hidden[:, : hidden.shape[1] // 2]),
         "greedy_parts": greedy_launches(hidden, lens, -1)[0],
         "greedy_merge": greedy_launches(hidden, lens, -1)[1],
+        "nucleus": nucleus_threshold_launch(hidden.float(), hidden[:, 0].float(), hidden[:, 0].float()),
     }
 
 
@@ -69,7 +71,7 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         stdout, stderr = compiler.communicate(timeout=300)
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
-    assert len(results) == len(CASES) * 11 * len(GPU_TARGETS)
+    assert len(results) == len(CASES) * 12 * len(GPU_TARGETS)
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 
