@@ -2,8 +2,8 @@
 a 4k-token prefill, Qwen2.5-1.5B's attention shape (12 query heads, 2 KV heads of 128, bf16). Each sequence's blocks
 are scattered over the pool. Decode is judged by the bytes it must read (every K and V of every context, once, and
 nothing padded: the kernel reads the pool in place) per second; prefill by its causal FLOPs per second. Then the
-greedy sampler over Qwen's 152k vocabulary at batch 1 and 256, the Triton kernel against the torch ops, by the bytes
-of logits read.
+greedy sampler and top-p over Qwen's 152k vocabulary at batch 1 and 256, the Triton kernels against the torch ops,
+by the bytes of one read of the logits.
 
 Last, a sweep of the kernels' tilings (rows a program takes, context positions a loop step reads, warps, pipeline
 stages) on the prefill and on two decode shapes, each checked against the default's output: the data the engine's
@@ -59,14 +59,21 @@ DECODE_TILINGS = [{}, dict(tile=32), dict(tile=128), dict(tile=128, num_warps=8)
 
 
 def timed(fn, device: str, repeats: int) -> float:
-    """Median seconds of one call, after a warm-up (the first call compiles)."""
+    """Median seconds of one call, after a warm-up (the first call compiles). `device` "eager": timed by the host
+    clock whatever the device, for an op that reads the device back (a CUDA graph cannot hold it)."""
+    import torch
+
     fn()
     if device == "cuda":
         return _graph_timed(fn, repeats)
     times = []
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         started = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
 
@@ -133,12 +140,29 @@ def greedy_cases(batch: int, vocab: int, device, repeats: int) -> list[dict]:
     logits = torch.randn(batch, vocab, device=device, dtype=torch.bfloat16)
     ways = {"greedy (triton)": lambda: greedy_or_invalid(logits, INVALID_TOKEN),
             "greedy (torch)": lambda: _marked_invalid(*greedy_and_finite(logits))}
-    rows = []
-    for kind, fn in ways.items():
-        seconds = timed(fn, device, repeats)
-        rows.append({"kind": kind, "batch": batch, "context": vocab, "splits": 1, "us": round(seconds * 1e6, 1),
-                     "gb_s": round(logits.numel() * logits.element_size() / seconds / 1e9, 1)})
-    return rows
+    return [_logits_row(kind, fn, logits, device, repeats) for kind, fn in ways.items()]
+
+
+def top_p_cases(batch: int, vocab: int, device, repeats: int) -> list[dict]:
+    """Top-p 0.9 over fp32 probabilities of a temperature-1 row: the Triton bisection CUDA's sampler runs, and the
+    CPU's candidates-then-sort (which reads the device back; timed outside a graph where it cannot be captured)."""
+    import torch
+
+    from engine.kernels.triton.nucleus import nucleus
+    from engine.sampler import nucleus_by_candidates
+
+    probs = torch.randn(batch, vocab, device=device).softmax(-1)
+    top_p = torch.full((batch, 1), 0.9, device=device)
+    return [_logits_row("top-p (triton)", lambda: nucleus(probs, top_p), probs, device, repeats),
+            _logits_row("top-p (candidates)", lambda: nucleus_by_candidates(probs, top_p), probs, "eager", repeats)]
+
+
+def _logits_row(kind: str, fn, logits, device: str, repeats: int) -> dict:
+    """A row for an op over [batch, vocab] logits, judged by the bytes of one read of them."""
+    seconds = timed(fn, device, repeats)
+    batch, vocab = logits.shape
+    return {"kind": kind, "batch": batch, "context": vocab, "splits": 1, "us": round(seconds * 1e6, 1),
+            "gb_s": round(logits.numel() * logits.element_size() / seconds / 1e9, 1)}
 
 
 def tiling_cases(device: str, repeats: int) -> list[dict]:
@@ -217,6 +241,8 @@ def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
     rows.append(prefill_case(prefill, heads, kv_heads, head_dim, block_size, dtype, device, repeats))
     for batch in (batches[0], batches[-1]):
         rows += greedy_cases(batch, vocab, device, repeats)
+    for batch in (batches[0], batches[-1]):
+        rows += top_p_cases(batch, vocab, device, repeats)
     peak = peak_of(name)
     for row in rows:
         if peak is not None:

@@ -26,7 +26,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         assert all(row["tokens"] == row["batch"] * steps and row["tok_s"] > 0 for row in report["decode"][mode])
     assert report["engine_static"]["tokens"] == report["engine_static_async"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
     assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
-    assert len(report["attention_kernels"]) == 9
+    assert len(report["attention_kernels"]) == 13
     profiles = report["step_profile"]
     assert [(p["batch"], p["async_scheduling"]) for p in profiles] == [(4, False), (4, True)]
     assert all(p["step_ms"] > 0 and p["phases_ms"]["forward"] > 0 for p in profiles)
@@ -65,7 +65,8 @@ def test_the_attention_kernel_benchmark_runs_on_cpu(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["kind"] for r in rows] == ["decode"] * 4 + ["prefill"] + ["greedy (triton)", "greedy (torch)"] * 2
+    assert [r["kind"] for r in rows] == ["decode"] * 4 + ["prefill"] + ["greedy (triton)", "greedy (torch)"] * 2 + [
+        "top-p (triton)", "top-p (candidates)"] * 2
     assert all(r["us"] > 0 for r in rows)
     assert {r["splits"] for r in rows} == {1, 2}, "the split-K path ran"
     tilings = json.loads(out.read_text())["tilings"]

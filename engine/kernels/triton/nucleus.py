@@ -5,8 +5,9 @@ async_scheduling.py), and a sort of [256, 152k] costs milliseconds.
 
 A token is kept when the mass of the tokens above it is at most top_p (the sampler's rule), so the kept set is
 {p >= t} for t the largest value with mass(p >= t) > top_p. Probabilities are non-negative floats, whose bit
-patterns order as integers: one program a row bisects the integers between 0 and its max's bits, a pass over the row
-a step (about 30 passes; a few hundred microseconds at batch 256 over a 152k vocabulary, an estimate, not measured).
+patterns order as integers: one program a row searches the integers between 0 and its max's bits, trying PROBES
+thresholds in each pass over the row, so about 9 passes find it where bisection takes 31 (an estimate of ~0.5 ms at
+batch 256 over a 152k vocabulary, from the bytes; not measured).
 A value tied with the threshold is always kept, where a sort keeps the ties before it in its own order.
 """
 from __future__ import annotations
@@ -17,11 +18,13 @@ import triton.language as tl
 
 from engine.kernels.triton.launch import Launch
 
-COLUMNS_PER_LOAD = 2048
+COLUMNS_PER_LOAD = 512
+PROBES = 15  # thresholds a pass tries: each pass cuts the interval 16-fold, ~8 passes where halving takes ~30
 
 
 @triton.jit
-def _nucleus_threshold_kernel(probs, top_p, threshold, vocab, stride, BLOCK: tl.constexpr):
+def _nucleus_threshold_kernel(probs, top_p, threshold, vocab, stride, BLOCK: tl.constexpr, PROBES: tl.constexpr,
+                              PROBES_PAD: tl.constexpr):
     row = tl.program_id(0)
     start = probs + row.to(tl.int64) * stride
     lanes = tl.arange(0, BLOCK)
@@ -31,26 +34,31 @@ def _nucleus_threshold_kernel(probs, top_p, threshold, vocab, stride, BLOCK: tl.
         columns = first + lanes
         bits = tl.load(start + columns, mask=columns < vocab, other=0.0).to(tl.int32, bitcast=True)
         top = tl.maximum(top, bits)
-    lo = tl.full([], 0, tl.int32)  # mass(p >= 0.0) is the whole row's: more than top_p
-    hi = tl.max(top, 0) + 1  # nothing is at or above it: mass 0
+    # invariant: mass(p >= lo) > top_p >= mass(p >= hi), in bit patterns
+    lo = tl.full([], 0, tl.int64)  # mass(p >= 0.0) is the whole row's
+    hi = tl.max(top, 0).to(tl.int64) + 1  # nothing is at or above it
+    probe = tl.arange(0, PROBES_PAD)
     while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        mass = tl.zeros([BLOCK], dtype=tl.float32)
+        # PROBES thresholds spread over (lo, hi); the padding probes repeat lo, whose mass is known to exceed top_p
+        cuts = tl.where(probe < PROBES, lo + (hi - lo) * (probe + 1) // (PROBES + 1), lo).to(tl.int32)
+        mass = tl.zeros([PROBES_PAD], dtype=tl.float32)
         for first in range(0, vocab, BLOCK):
             columns = first + lanes
             x = tl.load(start + columns, mask=columns < vocab, other=0.0)
-            mass += tl.where(x.to(tl.int32, bitcast=True) >= mid, x, 0.0)
-        if tl.sum(mass, 0) > p:
-            lo = mid
-        else:
-            hi = mid
-    tl.store(threshold + row, lo.to(tl.float32, bitcast=True))
+            above = x.to(tl.int32, bitcast=True)[None, :] >= cuts[:, None]
+            mass += tl.sum(tl.where(above, x[None, :], 0.0), 1)
+        heavy = (mass > p) & (probe < PROBES)  # thresholds still leaving more than top_p above them
+        new_lo = tl.max(tl.where(heavy, cuts, lo.to(tl.int32)), 0).to(tl.int64)
+        hi = tl.min(tl.where((probe < PROBES) & ~heavy & (cuts.to(tl.int64) > new_lo), cuts, hi.to(tl.int32)), 0).to(tl.int64)
+        lo = new_lo
+    tl.store(threshold + row, lo.to(tl.int32).to(tl.float32, bitcast=True))
 
 
 def nucleus_threshold_launch(probs: torch.Tensor, top_p: torch.Tensor, threshold: torch.Tensor) -> Launch:
     rows, vocab = probs.shape
     return Launch(_nucleus_threshold_kernel, (rows,), (probs, top_p, threshold, vocab, probs.stride(0)),
-                  dict(BLOCK=min(COLUMNS_PER_LOAD, triton.next_power_of_2(vocab))))
+                  dict(BLOCK=min(COLUMNS_PER_LOAD, triton.next_power_of_2(vocab)), PROBES=PROBES,
+                       PROBES_PAD=triton.next_power_of_2(PROBES + 1)))
 
 
 def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
