@@ -149,11 +149,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_rate(llm, device: str, batch: int, sizes: Sizes) -> dict:
-    """Step time and tok/s of decode steps with `batch` sequences running, prefill excluded."""
+# a chat client's usual request: what async scheduling must cover beside greedy (top-p drawn on the device)
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+
+
+def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | None = None) -> dict:
+    """Step time and tok/s of decode steps with `batch` sequences running, prefill excluded; greedy unless
+    `sampling` says otherwise."""
     from engine import SamplingParams
 
-    params = SamplingParams(max_tokens=sizes.decode_steps + 64, temperature=0.0, ignore_eos=True)  # none ends early
+    params = SamplingParams(max_tokens=sizes.decode_steps + 64, ignore_eos=True,  # none ends early
+                            **(sampling or dict(temperature=0.0)))
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch), params)
     before = llm.engine.counters["generation_tokens"]
@@ -309,6 +315,11 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path) -> tuple
                 # with async scheduling the last step launched lands after the clock stops: one step fewer counted
                 if row["tokens"] not in {row["batch"] * steps for steps in (sizes.decode_steps, sizes.decode_steps - ahead)}:
                     failures.append(f"decode {rows} batch {row['batch']}: {row['tokens']} tokens")
+        if not eager:  # the largest batch sampled as chat clients ask, async scheduling off and on
+            for rows, ahead in (("graphs_sampled", False), ("graphs_sampled_async", True)):
+                with async_scheduling(llm, ahead):
+                    results["decode"][rows] = [decode_rate(llm, device, sizes.batches[-1], sizes, SAMPLED)]
+                log(f"decode {rows} {SAMPLED}: {results['decode'][rows]}")
         if eager:
             results["kernels_per_step"] = {b: kernels_per_decode_step(llm, device, b, sizes) for b in (1, sizes.batches[-1])}
             results["prefill"] = prefill_time(llm, device, sizes)

@@ -24,6 +24,8 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         assert [row["batch"] for row in report["decode"][mode]] == [1, 4]
         steps = 3 if mode.endswith("async") else 4  # the last step launched ahead lands after the clock stops
         assert all(row["tokens"] == row["batch"] * steps and row["tok_s"] > 0 for row in report["decode"][mode])
+    assert [row["tokens"] for row in report["decode"]["graphs_sampled"] + report["decode"]["graphs_sampled_async"]] == [
+        4 * 4, 4 * 3], "top-p sampled rows decode, and fly"
     assert report["engine_static"]["tokens"] == report["engine_static_async"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
     assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
     assert len(report["attention_kernels"]) == 13
