@@ -139,6 +139,13 @@ def per_replica() -> Dashboard:
               description="Share of wall time the process spent collecting garbage (0: no collection yet)"),
         panel("Resident memory", "bytes", [Query(f"max by (replica) (ray_engine_resident_memory_bytes{{{labels}}})", "{{replica}}")],
               0, 40, description="A replica's process; growth at a steady load is a leak"),
+        # the counter exists only after a first step launched ahead: none where async scheduling is off
+        panel("Steps launched ahead", "percentunit", [Query(
+            f"{rate('ray_engine_steps_launched_ahead_total', 'replica', labels)} / "
+            f"{rate('ray_engine_steps_total', 'replica', labels)} or vector(0)", "{{replica}}")], 12, 40,
+              description="Share of steps launched before the step before them was read (async_scheduling: true), so "
+                          "the host's work overlapped the GPU's; logprobs, penalties, bias, grammars, new arrivals and "
+                          "prefills land a step first (0: async scheduling off, or no step could fly)"),
     ]
     for p in panels:
         d = d.with_panel(p)
