@@ -24,8 +24,8 @@ def rows(vocab: int, seed: int) -> torch.Tensor:
     return logits.softmax(-1).to(DEVICE)
 
 
-@pytest.mark.parametrize("vocab", [7, 1000, 2048, 5000])
-@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999])
+@pytest.mark.parametrize("vocab", [7, 1000, 5000])
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.999])
 def test_the_nucleus_keeps_what_the_sort_keeps(vocab, top_p):
     probs = rows(vocab, vocab)
     p = torch.full((probs.shape[0],), top_p, device=DEVICE)
