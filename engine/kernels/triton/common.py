@@ -32,9 +32,8 @@ def launch_options(num_warps: int | None, num_stages: int | None) -> dict:
     return {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None}
 
 
-@triton.jit
-def load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, head_offset, stride_cb, stride_co,
-                 BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, head_offset, stride_cb, stride_co,
+                  BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """K and V [TILE, D_PAD] at context `position`s through the sequence's `block_table`; zeros where not visible."""
     block = tl.load(block_table + position // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
     offset = head_offset + block[:, None] * stride_cb + (position % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
@@ -42,3 +41,10 @@ def load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, head
     k = tl.load(k_cache + offset, mask=mask, other=0.0).to(DOT_DTYPE)
     v = tl.load(v_cache + offset, mask=mask, other=0.0).to(DOT_DTYPE)
     return k, v
+
+
+# Under triton's interpreter every call of a jit function from a kernel patches triton.language anew (~1 ms of
+# Python, triton 3.9; triton's own tl.cdiv, tl.zeros, tl.max and tl.sum are such functions): about a fifth of an
+# interpreted engine step was that. There this helper is plain Python, which the interpreted kernel calls as it would
+# any function; compiled, it is a device function as usual. The hot kernels spell cdiv and zeros with builtins.
+load_kv_tile = _load_kv_tile if INTERPRETED else triton.jit(_load_kv_tile)

@@ -31,8 +31,9 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, par
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens + seq)
-    num_tiles = tl.cdiv(context_len, TILE)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    # plain arithmetic and tl.full, not tl.cdiv and tl.zeros: see common.py's note on the interpreter
+    num_tiles = (context_len + TILE - 1) // TILE
+    per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     first_tile = split * per_split
     last_tile = tl.minimum(first_tile + per_split, num_tiles)
 
@@ -46,8 +47,8 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, par
     offsets = tl.arange(0, TILE)
 
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    l = tl.full([GROUP_PAD], 0.0, dtype=tl.float32)
+    acc = tl.full([GROUP_PAD, D_PAD], 0.0, dtype=tl.float32)
     for t in range(first_tile, last_tile):
         position = t * TILE + offsets
         visible = position < context_len

@@ -47,10 +47,10 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, query_starts, context
         offsets = tl.arange(0, TILE)
 
         m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
+        l = tl.full([BLOCK_Q * GROUP_PAD], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_Q * GROUP_PAD, D_PAD], 0.0, dtype=tl.float32)
         tile_end = tl.minimum(prefix_len + (tile + 1) * BLOCK_Q, context_len)  # one past the tile's last position
-        for t in range(0, tl.cdiv(tile_end, TILE)):
+        for t in range(0, (tile_end + TILE - 1) // TILE):  # not tl.cdiv: see common.py's note on the interpreter
             key_position = t * TILE + offsets
             k, v = load_kv_tile(k_cache, v_cache, block_tables + seq * stride_bt, key_position,
                                 key_position < tile_end, d, d_ok, kv_head * stride_ch, stride_cb, stride_co,
