@@ -12,6 +12,8 @@ import weakref
 
 import pytest
 
+from tests.fixtures.triton_interpreter import interpreter_overflow_checks
+
 LIVE_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -28,6 +30,12 @@ def pytest_collection_modifyitems(config, items):
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _interpreter_without_overflow_checks():
+    interpreter_overflow_checks(False)
+    yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,5 +1,7 @@
 import pytest
 
+from tests.fixtures.triton_interpreter import interpreter_overflow_checks
+
 
 def pytest_collection_modifyitems(items):
     """Under triton's interpreter a kernel's arithmetic is numpy's: a NaN or inf made anywhere (a lane read from
@@ -8,3 +10,12 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/engine/kernels/" in str(item.fspath):
             item.add_marker(pytest.mark.filterwarnings("error::RuntimeWarning"))
+
+
+@pytest.fixture(autouse=True)
+def _overflow_checks_on():
+    """Triton's interpreter checks each int32 add and multiply of a kernel for overflow here (the rest of the suite
+    goes without, see tests/conftest.py)."""
+    interpreter_overflow_checks(True)
+    yield
+    interpreter_overflow_checks(False)

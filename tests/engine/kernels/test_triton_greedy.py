@@ -49,3 +49,11 @@ def test_greedy_kernel_reads_rows_of_a_wider_buffer():
     wide[:, :3000] = logits
     assert torch.equal(greedy_or_invalid(wide[:, :3000], INVALID_TOKEN), torch_greedy(logits))
     assert greedy_or_invalid(logits[:0], INVALID_TOKEN).shape == (0,)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="compiled, not interpreted")
+def test_the_kernel_tests_run_with_the_interpreters_overflow_checks():
+    """The rest of the suite turns them off for speed (tests/conftest.py); here an int32 overflow must still fail."""
+    from triton.runtime.interpreter import interpreter_builder
+
+    assert interpreter_builder.options.sanitize_overflow
