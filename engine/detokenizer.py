@@ -15,13 +15,14 @@ class IncrementalDetokenizer:
         if not tokenizer.is_fast:
             raise ValueError(f"{type(tokenizer).__name__} has no fast (Rust) tokenizer, which streaming decode needs")
         self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer  # a property of the wrapper: read once, not a token at a time
         self.skip_special_tokens = skip_special_tokens
         self.stream = DecodeStream(ids=list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens)
         self.pending: list[int] = []  # tokens of a character not yet complete
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty while a character is still partial)."""
-        chunk = self.stream.step(self.tokenizer.backend_tokenizer, token_id)
+        chunk = self.stream.step(self.backend, token_id)
         if chunk is None:
             self.pending.append(token_id)
             return ""

@@ -128,14 +128,16 @@ class OutputProcessor:
         """Add the step's tokens to the text; the reason the request ended (here or in the core), and its error."""
         if out.prompt_logprobs is not None:
             request.prompt_logprobs = out.prompt_logprobs
+        token_ids, add_token = request.token_ids, request.detokenizer.add
+        logprobs = request.logprobs if out.new_logprobs is not None else None
         for i, token in enumerate(out.new_token_ids):
-            request.token_ids.append(token)
-            if request.logprobs is not None and out.new_logprobs is not None:
-                request.logprobs.append(out.new_logprobs[i])
-            if self._add_text(request, request.detokenizer.add(token)):
+            token_ids.append(token)
+            if logprobs is not None:
+                logprobs.append(out.new_logprobs[i])
+            if self._add_text(request, add_token(token)):
                 return "stop", None  # the core's later tokens, accepted drafts included, are not the reader's
-        ended_on_eos = bool(request.token_ids) and request.token_ids[-1] in self.eos_token_ids
-        if out.finish_reason == "length" or (out.finish_reason == "stop" and not ended_on_eos):
+        if out.finish_reason == "length" or (out.finish_reason == "stop" and not (
+                token_ids and token_ids[-1] in self.eos_token_ids)):
             self._add_text(request, request.detokenizer.flush())  # an EOS ends the text as it is
         return out.finish_reason, out.error
 
@@ -143,10 +145,12 @@ class OutputProcessor:
     def _add_text(request: RequestText, chunk: str) -> bool:
         """Append a token's text; where that completes a stop string (min_tokens reached), cut the text where the
         stop string starts and say so. Only the tail the chunk could complete is searched, as vLLM does."""
+        if not chunk:
+            return False
         start = len(request.text)
         request.text += chunk
         params = request.params
-        if not chunk or not params.stop_strings or len(request.token_ids) < params.min_tokens:
+        if not params.stop_strings or len(request.token_ids) < params.min_tokens:
             return False
         hits = [i for i in (request.text.find(s, max(0, start - len(s) + 1)) for s in params.stop_strings) if i >= 0]
         if hits:
