@@ -96,7 +96,7 @@ class BlockManager:
         assert not seq.block_table, f"{seq} already holds blocks"
         for block_id in matched:
             self._take(block_id, keep_cached=True)
-        seq.block_table = list(matched)
+        seq.block_table = array("q", matched)
         seq.num_computed_tokens = len(matched) * self.block_size
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
@@ -137,7 +137,7 @@ class BlockManager:
         # Tail blocks first, so the shared head of a prefix outlives it in the free list.
         for block_id in reversed(seq.block_table):
             self._release(block_id)
-        seq.block_table = []
+        seq.block_table = array("q")
         seq.num_computed_tokens = 0
 
     # -- internals -----------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 a forward pass at the largest step size, as vLLM's worker profiles it."""
 from __future__ import annotations
 
+from array import array
+
 import logging
 
 import torch
@@ -40,7 +42,7 @@ def cuda_kv_budget(config: EngineConfig, runner: ModelRunner) -> int:
     blocks = -(-tokens // config.block_size)
     runner.kv_cache = runner.allocate_kv_cache(blocks)
     warm = Sequence("warmup", [0] * tokens, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    warm.block_table = list(range(blocks))
+    warm.block_table = array("q", range(blocks))
     batch = ScheduledBatch()
     batch.add(warm, len(warm))
     step = runner.execute(batch)

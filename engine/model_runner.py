@@ -5,7 +5,6 @@ import logging
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 from engine.cuda_graphs import DecodeGraphs
@@ -214,20 +213,24 @@ class ModelRunner:
             splits = self.num_splits_for(size, self.kv_cache.shape[2], longest, self.num_sms)
         return DecodeBatch(tables, lens, self.block_size, self.decode_kernel, splits)
 
-    def _upload(self, parts: list[list[int]]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
-        """Host int lists to the device together: one pinned buffer and one copy, split into views there (the first
-        H100 profile counted ~44 copies a step, each a pinned allocation and a cudaMemcpyAsync). A compiled decoder
-        (CPU only) takes a tensor each: views of one buffer would make it guard on how its inputs alias, and compile
-        again."""
+    def _upload(self, parts: list[list[int] | array]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+        """Host int lists and int64 arrays to the device together: one pinned buffer and one copy, split into views
+        there (the first H100 profile counted ~44 copies a step, each a pinned allocation and a cudaMemcpyAsync). A
+        compiled decoder (CPU only) takes a tensor each: views of one buffer would make it guard on how its inputs
+        alias, and compile again."""
         if getattr(self.model, "compiled", None) is not None:
             return [self._tensor(part) for part in parts]
-        return self._tensor(list(chain.from_iterable(parts))).split([len(part) for part in parts])
+        buffer = array("q")
+        for part in parts:
+            buffer.extend(part)  # an array by memcpy, a list id by id
+        return self._tensor(buffer).split([len(part) for part in parts])
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list[int] | array) -> torch.Tensor:
         """Host ints to the device without waiting for it, by way of an array: at a batch of 256, torch.tensor of the
         step's list of ~8,500 ints took 480 us, the array 136."""
         if not values:
             return torch.empty(0, dtype=torch.long, device=self.device)
+        # a copy (a memcpy from an array): the tensor shares its memory, and an array whose memory is shared cannot grow
         return to_device(torch.frombuffer(array("q", values), dtype=torch.long), self.device)
 
 
@@ -275,11 +278,10 @@ def _slot(block_table: list[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
-def _padded_flat(tables: list[list[int]], width: int) -> list[int]:
+def _padded_flat(tables: list[array], width: int) -> array:
     """Block tables as rows of one width, padded with block 0 (the kernels read no further than each context), one
-    after another."""
-    flat = []
-    for table in tables:
-        flat += table
-        flat += [0] * (width - len(table))
+    after another: a memcpy a table."""
+    flat = array("q", bytes(8 * width * len(tables)))
+    for row, table in enumerate(tables):
+        flat[row * width : row * width + len(table)] = table
     return flat

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
         self.prompt_leader: Sequence | None = None  # a sibling (n > 1) computing the same prompt: wait, then share it
-        self.block_table: list[int] = []
+        # int64 block ids: the step's inputs take whole tables by memcpy, where a list cost a conversion of every id
+        # every step (at batch 256, 0.6 ms a step with 2k contexts, 2.3 ms with 8k)
+        self.block_table = array("q")
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0

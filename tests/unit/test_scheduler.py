@@ -86,7 +86,7 @@ class FakeEngine:
             assert len(set(s.block_table)) == len(s.block_table), f"{s} owns a block twice"
             assert len(s.block_table) * bm.block_size >= s.num_computed_tokens
         for s in sched.waiting:
-            assert s.block_table == [] and s.status is SequenceStatus.WAITING
+            assert list(s.block_table) == [] and s.status is SequenceStatus.WAITING
         for block in bm.blocks:
             assert block.ref_count == owners.get(block.block_id, 0), block
             assert (block.ref_count == 0) == (block.block_id in bm.free_blocks), block
