@@ -98,33 +98,42 @@ def _graph_timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, device,
-                num_sms: int, repeats: int) -> dict:
+def decode_inputs(batch: int, context: int, device):
+    """Decode at Qwen's attention shape in bf16: (query, K pool, V pool, block tables, context lengths)."""
     import torch
 
+    k, v, tables = scattered_pool(batch, context, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, device)
+    query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    return query, k, v, tables, torch.full((batch,), context, device=device)
+
+
+def prefill_inputs(tokens: int, device):
+    """One prompt of `tokens` at Qwen's attention shape in bf16: (query, K pool, V pool, block tables, query starts,
+    context lengths)."""
+    import torch
+
+    k, v, tables = scattered_pool(1, tokens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, device)
+    query = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    return query, k, v, tables, torch.tensor([0, tokens], device=device), torch.tensor([tokens], device=device)
+
+
+def decode_case(batch: int, context: int, device, num_sms: int, repeats: int) -> dict:
     from engine.kernels.triton.decode import decode_attention, num_splits_for
 
-    k, v, tables = scattered_pool(batch, context, kv_heads, head_dim, block_size, dtype, device)
-    query = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
-    lens = torch.full((batch,), context, device=device)
-    splits = num_splits_for(batch, kv_heads, context, num_sms)
-    seconds = timed(lambda: decode_attention(query, k, v, tables, lens, head_dim**-0.5, splits), device, repeats)
-    read = 2 * batch * context * kv_heads * head_dim * k.element_size()  # K and V of each context, once
+    query, k, v, tables, lens = decode_inputs(batch, context, device)
+    splits = num_splits_for(batch, KV_HEADS, context, num_sms)
+    seconds = timed(lambda: decode_attention(query, k, v, tables, lens, HEAD_DIM**-0.5, splits), device, repeats)
+    read = 2 * batch * context * KV_HEADS * HEAD_DIM * k.element_size()  # K and V of each context, once
     return {"kind": "decode", "batch": batch, "context": context, "splits": splits, "us": round(seconds * 1e6, 1),
             "gb_s": round(read / seconds / 1e9, 1)}
 
 
-def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, device,
-                 repeats: int) -> dict:
-    import torch
-
+def prefill_case(tokens: int, device, repeats: int) -> dict:
     from engine.kernels.triton.prefill import prefill_attention
 
-    k, v, tables = scattered_pool(1, tokens, kv_heads, head_dim, block_size, dtype, device)
-    query = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
-    starts, lens = torch.tensor([0, tokens], device=device), torch.tensor([tokens], device=device)
-    seconds = timed(lambda: prefill_attention(query, k, v, tables, starts, lens, tokens, head_dim**-0.5), device, repeats)
-    flops = 2 * 2 * heads * head_dim * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
+    query, k, v, tables, starts, lens = prefill_inputs(tokens, device)
+    seconds = timed(lambda: prefill_attention(query, k, v, tables, starts, lens, tokens, HEAD_DIM**-0.5), device, repeats)
+    flops = 2 * 2 * HEADS * HEAD_DIM * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
     return {"kind": "prefill", "batch": 1, "context": tokens, "splits": 1, "us": round(seconds * 1e6, 1),
             "tflop_s": round(flops / seconds / 1e12, 2)}
 
@@ -144,7 +153,7 @@ def greedy_cases(batch: int, vocab: int, device, repeats: int) -> list[dict]:
 
 
 def top_p_cases(batch: int, vocab: int, device, repeats: int) -> list[dict]:
-    """Top-p 0.9 over fp32 probabilities of a temperature-1 row: the Triton bisection CUDA's sampler runs, and the
+    """Top-p 0.9 over fp32 probabilities of a temperature-1 row: the Triton search CUDA's sampler runs, and the
     CPU's candidates-then-sort (which reads the device back; timed outside a graph where it cannot be captured)."""
     import torch
 
@@ -179,17 +188,14 @@ def tiling_cases(device: str, repeats: int) -> list[dict]:
     tilings = (PREFILL_TILINGS, DECODE_TILINGS) if cuda else (PREFILL_TILINGS[:1] + PREFILL_TILINGS[4:5], DECODE_TILINGS[:3])
 
     def prefill_runner(tokens):
-        k, v, tables = scattered_pool(1, tokens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, device)
-        query = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        starts, lens = torch.tensor([0, tokens], device=device), torch.tensor([tokens], device=device)
+        query, k, v, tables, starts, lens = prefill_inputs(tokens, device)
         out = torch.empty_like(query)
         return out, lambda tiling: [prefill_launch(query, k, v, tables, starts, lens, tokens, HEAD_DIM**-0.5, out,
                                                    **tiling)]
 
     def decode_runner(batch, context):
-        k, v, tables = scattered_pool(batch, context, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, device)
-        query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        lens, out = torch.full((batch,), context, device=device), torch.empty_like(query)
+        query, k, v, tables, lens = decode_inputs(batch, context, device)
+        out = torch.empty_like(query)
         splits = num_splits_for(batch, KV_HEADS, context, num_sms)
         return out, lambda tiling: decode_launches(query, k, v, tables, lens, HEAD_DIM**-0.5, splits, out, **tiling)
 
@@ -224,7 +230,6 @@ def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
     peak if known."""
     import torch
 
-    heads, kv_heads, head_dim, block_size, dtype = HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         name, num_sms = props.name, props.multi_processor_count
@@ -235,14 +240,13 @@ def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
     rows = []
     for batch in batches:
         for context in contexts:
-            if batch * context * kv_heads * head_dim * 4 > 8 << 30:  # K+V over 8 GiB: batch 256 at 32k
+            if batch * context * KV_HEADS * HEAD_DIM * 4 > 8 << 30:  # K+V over 8 GiB: batch 256 at 32k
                 continue
-            rows.append(decode_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, device, num_sms, repeats))
-    rows.append(prefill_case(prefill, heads, kv_heads, head_dim, block_size, dtype, device, repeats))
-    for batch in (batches[0], batches[-1]):
-        rows += greedy_cases(batch, vocab, device, repeats)
-    for batch in (batches[0], batches[-1]):
-        rows += top_p_cases(batch, vocab, device, repeats)
+            rows.append(decode_case(batch, context, device, num_sms, repeats))
+    rows.append(prefill_case(prefill, device, repeats))
+    for cases in (greedy_cases, top_p_cases):
+        for batch in (batches[0], batches[-1]):
+            rows += cases(batch, vocab, device, repeats)
     peak = peak_of(name)
     for row in rows:
         if peak is not None:

@@ -2,9 +2,8 @@
 a forward pass at the largest step size, as vLLM's worker profiles it."""
 from __future__ import annotations
 
-from array import array
-
 import logging
+from array import array
 
 import torch
 

@@ -273,7 +273,7 @@ class _StepRows:
         self.rows.append(1)
 
 
-def _slot(block_table: list[int], position: int, block_size: int) -> int:
+def _slot(block_table: array, position: int, block_size: int) -> int:
     """The pool slot of a sequence's token at `position`."""
     return block_table[position // block_size] * block_size + position % block_size
 

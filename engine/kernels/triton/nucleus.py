@@ -1,7 +1,7 @@
 """Top-p on the device without a sort and without reading anything back: each row's nucleus threshold, found by a
-search over the probabilities' bit patterns. On CPU the sampler takes the top 1,024 candidates and sorts the whole row only where they fall short of
-top_p, which it must read back to know; on CUDA that read would land every async-scheduled step (engine/
-async_scheduling.py), and a sort of [256, 152k] costs milliseconds.
+search over the probabilities' bit patterns. On CPU the sampler takes the top 1,024 candidates and sorts the whole
+row only where they fall short of top_p, which it must read back to know; on CUDA that read would land every
+async-scheduled step (engine/async_scheduling.py), and a sort of [256, 152k] costs milliseconds.
 
 A token is kept when the mass of the tokens above it is at most top_p (the sampler's rule), so the kept set is
 {p >= t} for t the largest value with mass(p >= t) > top_p. Probabilities are non-negative floats, whose bit
