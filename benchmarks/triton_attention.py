@@ -158,12 +158,13 @@ def top_p_cases(batch: int, vocab: int, device, repeats: int) -> list[dict]:
     import torch
 
     from engine.kernels.triton.nucleus import nucleus
-    from engine.sampler import nucleus_by_candidates
+    from engine.sampler import nucleus_threshold_by_candidates
 
     probs = torch.randn(batch, vocab, device=device).softmax(-1)
     top_p = torch.full((batch, 1), 0.9, device=device)
     return [_logits_row("top-p (triton)", lambda: nucleus(probs, top_p), probs, device, repeats),
-            _logits_row("top-p (candidates)", lambda: nucleus_by_candidates(probs, top_p), probs, "eager", repeats)]
+            _logits_row("top-p (candidates)", lambda: nucleus_threshold_by_candidates(probs, top_p), probs, "eager",
+                        repeats)]
 
 
 def _logits_row(kind: str, fn, logits, device: str, repeats: int) -> dict:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine.sampler import INVALID_TOKEN, GrammarMask, Sampler, inverse_cdf, make_generator
+from engine.sampler import (INVALID_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler, inverse_cdf, make_generator,
+                            nucleus_threshold_by_candidates)
 from engine.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -23,6 +24,43 @@ def test_top_k_top_p_and_min_p_restrict_the_support():
     assert set(draws(SamplingParams(temperature=1.0, top_k=2, seed=1))) == {0, 1}
     assert set(draws(SamplingParams(temperature=1.0, top_p=0.5, seed=1))) == {0}  # p(0) = 0.64 already reaches 0.5
     assert set(draws(SamplingParams(temperature=1.0, min_p=0.3, seed=1))) == {0, 1}  # p(1)/p(0) = e^-1 >= 0.3 > e^-2
+
+
+def kept_by_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus by its definition: a token stays when the mass of the tokens above it is at most top_p."""
+    values, order = probs.sort(dim=-1, descending=True)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, values.cumsum(-1) - values <= top_p)
+
+
+def test_the_cpu_nucleus_keeps_what_the_sort_keeps_whichever_tier_covers_a_row():
+    """Rows the top 64 cover, rows that need the top 1,024, and rows only the sort covers, in one batch (distinct
+    values, so the definition names one set)."""
+    generator = torch.Generator().manual_seed(5)
+    scales = torch.tensor([12.0, 4.0, 2.5, 1.0, 0.2, 12.0, 0.2])[:, None]  # peaked to flat
+    probs = (torch.randn(7, 5000, generator=generator, dtype=torch.float64) * scales).softmax(-1).float()
+    top_p = torch.tensor([0.9, 0.9, 0.9, 0.9, 0.9, 0.2, 0.5])[:, None]
+    expected = kept_by_sort(probs, top_p)
+    tiers = torch.bucketize(expected.sum(-1), torch.tensor(NUCLEUS_CANDIDATES), right=False)
+    assert set(tiers.tolist()) == {0, 1, 2}, "rows for the top 64, the top 1,024 and the sort"
+    assert torch.equal(probs >= nucleus_threshold_by_candidates(probs, top_p), expected)
+
+
+def test_candidates_whose_mass_is_exactly_top_p_do_not_cover_the_row():
+    """The next token has exactly top_p above it, so it stays: the top 64 alone would drop it."""
+    head = torch.full((64,), 1 / 128)
+    tail = torch.linspace(2, 1, 100) / torch.linspace(2, 1, 100).sum() * 0.5
+    probs = torch.cat([head, tail])[None, :]
+    top_p = probs.topk(64).values.sum(-1, keepdim=True)  # the candidates' mass, as the sampler sums it
+    kept = probs >= nucleus_threshold_by_candidates(probs, top_p)
+    assert int(kept.sum()) == 65 and bool(kept[0, 64])
+
+
+def test_ties_at_the_nucleus_boundary_are_all_kept():
+    """bf16 logits tie often: the rule keeps every token tied with the last one it needs (the CUDA kernel's rule),
+    where a sort would keep those before the cut in its own order."""
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])
+    assert bool((probs >= nucleus_threshold_by_candidates(probs, torch.tensor([[0.5]]))).all())
+    assert set(draws(SamplingParams(temperature=1.0, top_p=0.5, seed=4), logits=probs.log())) == {0, 1, 2, 3}
 
 
 def test_temperature_spreads_the_distribution():

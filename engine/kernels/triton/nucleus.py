@@ -1,6 +1,6 @@
 """Top-p on the device without a sort and without reading anything back: each row's nucleus threshold, found by a
-search over the probabilities' bit patterns. On CPU the sampler takes the top 1,024 candidates and sorts the whole
-row only where they fall short of top_p, which it must read back to know; on CUDA that read would land every
+search over the probabilities' bit patterns. On CPU the sampler takes each row's top candidates (64, then 1,024) and
+sorts the whole row only where they fall short of top_p, which it must read back to know; on CUDA that read would land every
 async-scheduled step (engine/async_scheduling.py), and a sort of [256, 152k] costs milliseconds.
 
 A token is kept when the mass of the tokens above it is at most top_p (the sampler's rule), so the kept set is
@@ -8,7 +8,7 @@ A token is kept when the mass of the tokens above it is at most top_p (the sampl
 patterns order as integers: one program a row searches the integers between 0 and its max's bits, trying PROBES
 thresholds in each pass over the row, so about 9 passes find it where bisection takes 31 (an estimate of ~0.5 ms at
 batch 256 over a 152k vocabulary, from the bytes; not measured).
-A value tied with the threshold is always kept, where a sort keeps the ties before it in its own order.
+A value tied with the threshold is always kept, on CPU too.
 """
 from __future__ import annotations
 
@@ -61,11 +61,16 @@ def nucleus_threshold_launch(probs: torch.Tensor, top_p: torch.Tensor, threshold
                        PROBES_PAD=triton.next_power_of_2(PROBES + 1)))
 
 
-def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """probs [rows, vocab] fp32, each row summing to 1, rows contiguous; top_p [rows] or [rows, 1] -> probs with the
-    tokens outside each row's nucleus zeroed."""
+def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab] fp32, each row summing to 1, rows contiguous; top_p [rows] or [rows, 1] -> each row's
+    threshold [rows]: its nucleus is the tokens at or above it."""
     assert probs.dim() == 2 and probs.dtype == torch.float32 and probs.stride(1) == 1
     threshold = torch.empty(probs.shape[0], dtype=torch.float32, device=probs.device)
     if probs.shape[0]:
         nucleus_threshold_launch(probs, top_p.reshape(-1).to(torch.float32).contiguous(), threshold).run()
-    return probs.masked_fill(probs < threshold[:, None], 0.0)
+    return threshold
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`probs` with the tokens outside each row's nucleus zeroed, as a new tensor."""
+    return probs.masked_fill(probs < nucleus_threshold(probs, top_p)[:, None], 0.0)

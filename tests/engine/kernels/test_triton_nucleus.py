@@ -1,11 +1,11 @@
 """The Triton top-p (`engine/kernels/triton/nucleus.py`) keeps the same tokens as the sampler's sort-based rule
-(`sampler.nucleus_by_candidates`, the CPU's): a token stays when the mass above it is at most top_p. On CPU under triton's
+(`sampler.nucleus_threshold_by_candidates`, the CPU's): a token stays when the mass above it is at most top_p. On CPU under triton's
 interpreter, on the GPU where there is one. Rows without ties at the boundary, so both rules name one set."""
 import pytest
 import torch
 
 from engine.kernels.triton.nucleus import nucleus
-from engine.sampler import nucleus_by_candidates
+from engine.sampler import nucleus_threshold_by_candidates
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -40,5 +40,5 @@ def test_each_row_takes_its_own_top_p_and_the_sampler_rule_agrees():
     p = torch.tensor([0.1, 0.5, 0.95, 0.5, 0.99, 0.2], device=DEVICE)
     got = nucleus(probs, p[:, None])
     assert torch.equal(got > 0, by_sort(probs, p) > 0)
-    assert torch.equal(got > 0, nucleus_by_candidates(probs, p[:, None]) > 0)  # the CPU's candidates, then its sort
+    assert torch.equal(got > 0, probs >= nucleus_threshold_by_candidates(probs, p[:, None]))  # the CPU's tiers
     assert nucleus(probs[:0], p[:0]).shape == (0, 3000)
