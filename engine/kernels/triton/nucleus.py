@@ -1,5 +1,5 @@
 """Top-p on the device without a sort and without reading anything back: each row's nucleus threshold, found by a
-search over the probabilities' bit patterns. On CPU the sampler takes each row's top candidates (64, then 1,024) and
+search over the probabilities' bit patterns. On CPU the sampler takes each row's top candidates (64, 1,024, then 4,096) and
 sorts the whole row only where they fall short of top_p, which it must read back to know; on CUDA that read would land every
 async-scheduled step (engine/async_scheduling.py), and a sort of [256, 152k] costs milliseconds.
 
