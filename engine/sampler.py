@@ -171,9 +171,9 @@ class Sampler:
         device (async scheduling). The same tokens as `__call__` gives them."""
         if all(_plain_greedy(p) for p in params):
             return greedy_or_invalid(logits)
-        finite = finite_rows(logits)
+        finite = finite_rows(logits)  # every entry finite: no mask here leaves a row without a candidate
         logits = logits.to(torch.float32, copy=True)
-        return _marked_invalid(*self._sample(logits, params, generators, finite & (logits.amax(-1) > float("-inf"))))
+        return _marked_invalid(*self._sample(logits, params, generators, finite))
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

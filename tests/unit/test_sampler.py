@@ -296,3 +296,17 @@ def test_prompt_logprobs_in_chunks_equal_one_log_softmax_over_all_rows():
         expected = {targets[row]: reference[row, targets[row]].item(), **dict(zip(best.indices.tolist(), best.values.tolist()))}
         assert entries[row].keys() == expected.keys()
         assert all(abs(entries[row][t] - expected[t]) < 1e-6 for t in expected)
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=5, min_p=0.05),
+                                   dict(temperature=0.0)])
+def test_tokens_left_on_the_device_are_the_tokens_the_sampler_gives(knobs):
+    """Async scheduling's draw (no host read) against the sampler's own, seeded alike; rows with a NaN, and all -inf,
+    have no valid distribution either way."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)) * 4
+    logits[1, 7], logits[3] = float("nan"), float("-inf")
+    params = [SamplingParams(**knobs, seed=i) for i in range(5)]
+    expected, _ = Sampler()(logits, params, [make_generator(p) for p in params], [[]] * 5)
+    got = Sampler().tokens_on_device(logits, params, [make_generator(p) for p in params])
+    assert got.tolist() == expected
+    assert expected[1] == expected[3] == INVALID_TOKEN and INVALID_TOKEN not in expected[::2]
