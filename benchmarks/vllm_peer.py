@@ -1,7 +1,8 @@
 """Runs inside .venv-peers (vLLM's CPU build): the bench workload, timed, as one JSON line on stdout.
 
 Usage: python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD_JSON RUNS DTYPE
-The workload is a list of {"prompt_token_ids": [...], "max_tokens": n}, tokenized by our side so prompts are identical.
+The workload is a list of {"prompt_token_ids": [...], "max_tokens": n, "temperature": t, and "top_p", "seed" where
+sampled}, tokenized by our side so prompts are identical.
 """
 import json
 import sys
@@ -14,7 +15,9 @@ def main(model_dir: str, workload_path: str, runs: int, dtype: str) -> None:
     workload = json.loads(open(workload_path).read())
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": w["prompt_token_ids"]} for w in workload]
-    params = [SamplingParams(max_tokens=w["max_tokens"], temperature=0.0, ignore_eos=True) for w in workload]
+    knobs = ("temperature", "top_p", "seed")
+    params = [SamplingParams(max_tokens=w["max_tokens"], ignore_eos=True, **{k: w[k] for k in knobs if k in w})
+              for w in workload]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     results = []
     for _ in range(runs):
