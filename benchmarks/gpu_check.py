@@ -266,13 +266,19 @@ def engine_generate(llm, device: str, batch: int, sizes: Sizes) -> dict:
 
     params = SamplingParams(max_tokens=sizes.new_tokens, temperature=0.0, ignore_eos=True)
     work = prompts(batch, sizes.prompt_len, sizes.vocab_size, 3)
+    engine = llm.engine
     sync(device)
+    phases, counters = dict(engine.phases.seconds), dict(engine.counters)
     started = time.perf_counter()
     outputs = llm.generate(work, params, use_tqdm=False)
     sync(device)
     seconds = time.perf_counter() - started
     tokens = sum(len(o.token_ids) for o in outputs)
-    return {"batch": batch, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1), "tokens": tokens}
+    # where a missed goal's time went: the steps (those launched ahead) and each phase's seconds (the forward's by
+    # CUDA events, on the device); the rest of the wall time is the front end's and the loop's
+    steps = {k: engine.counters[k] - counters[k] for k in ("num_steps", "num_steps_ahead")}
+    return {"batch": batch, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1), "tokens": tokens,
+            **steps, "phases_s": {k: round(v - phases[k], 4) for k, v in engine.phases.seconds.items()}}
 
 
 def hf_static(path: str, device: str, dtype, batch: int, sizes: Sizes) -> dict:

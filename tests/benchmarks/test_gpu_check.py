@@ -27,6 +27,9 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         assert all(row["steps_ahead"] == (4 if mode.endswith("async") else 0) for row in report["decode"][mode]), \
             "every timed step flies with async scheduling, top-p sampled ones too"
     assert report["engine_static"]["tokens"] == report["engine_static_async"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
+    static, static_async = report["engine_static"], report["engine_static_async"]
+    assert static["num_steps"] >= 8 and static["num_steps_ahead"] == 0 < static_async["num_steps_ahead"]
+    assert static["phases_s"]["forward"] > 0 and static_async["phases_s"]["forward"] > 0
     assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
     assert len(report["attention_kernels"]) == 13
     profiles = report["step_profile"]
