@@ -1,6 +1,6 @@
 """The C++ CPU kernels (decode attention; bf16 prefill attention on AVX512-BF16; matmuls over GGUF blocks; fused
-per-layer ops; every decoder layer of a decode step in one call), compiled once on first use into one module and
-cached by torch.
+per-layer ops; every decoder layer of a decode step in one call; top-p's threshold), compiled once on first use into
+one module and cached by torch.
 
 Without a C++ compiler, attention falls back to the device-agnostic torch path. With one, a failed build is an
 error (`build_paged_decode` raises), so a broken kernel can never pass for a missing compiler.
@@ -36,10 +36,10 @@ def cpu_features_tag() -> str:
 
 
 # One translation unit, in this order: the decoder (last) calls the others' kernels directly.
-UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
+UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "nucleus_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
         "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp", "decoder_cpu.cpp")
 FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "paged_prefill",
-             "has_bf16_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers"]
+             "has_bf16_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_threshold"]
 
 
 @functools.cache
@@ -87,6 +87,13 @@ def fused_ops():
 def paged_decode_op():
     """The kernel, or None (logged) where it is unavailable: what attention_backend='auto' uses."""
     return _built_or_none(build_paged_decode, "C++ paged attention", "the torch path")
+
+
+def nucleus_threshold_op():
+    """Top-p's per-row threshold (csrc/nucleus_cpu.cpp), or None (logged) where the kernels do not build: the
+    sampler then takes its torch tiers."""
+    kernels = _built_or_none(build_kernels, "C++ top-p", "torch's topk tiers")
+    return kernels.nucleus_threshold if kernels is not None else None
 
 
 def paged_prefill_op(dtype, head_dim: int, block_size: int):

@@ -2,7 +2,7 @@
 stream."""
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 import torch
@@ -76,6 +76,11 @@ class GrammarMask(NamedTuple):
 
 
 class Sampler:
+    def __init__(self, cpu_nucleus_threshold: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        """`cpu_nucleus_threshold(probs, top_p)`: top-p's per-row threshold on CPU, the compiled kernel
+        (cpu_kernels.nucleus_threshold_op) where the engine has it, else `nucleus_threshold_by_candidates`."""
+        self.cpu_nucleus_threshold = cpu_nucleus_threshold
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -175,8 +180,7 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         return _marked_invalid(*self._sample(logits, params, generators, finite))
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                 finite: torch.Tensor, draft_token_ids: list[int | None] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once: temperature, then the top-k / top-p / min-p masks, then the inverse CDF at one uniform
@@ -203,12 +207,12 @@ class Sampler:
         weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax up to each row's total
         nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if len(nucleus_rows) == n:  # the usual batch: every row asks for top-p, worked in place
-            Sampler._nucleus(weights.div_(weights.sum(-1, keepdim=True)), column([p.top_p for p in params]))
+            self._nucleus(weights.div_(weights.sum(-1, keepdim=True)), column([p.top_p for p in params]))
         elif nucleus_rows:
             rows = to_device(torch.tensor(nucleus_rows), device)
             selected = weights[rows]
             top_p = column([params[i].top_p for i in nucleus_rows])
-            weights[rows] = Sampler._nucleus(selected.div_(selected.sum(-1, keepdim=True)), top_p)
+            weights[rows] = self._nucleus(selected.div_(selected.sum(-1, keepdim=True)), top_p)
         if any(p.min_p > 0.0 for p in params):
             weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
         draws = column([1.0 - float(torch.rand(1, generator=g)) if g is not None else 1.0 for g in generators])
@@ -237,8 +241,7 @@ class Sampler:
         draws[index[rejected], 0] = ((target - mass) / (total - mass))[rejected]
         return index[accept], draft[accept]
 
-    @staticmethod
-    def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    def _nucleus(self, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """`probs` (rows summing to 1) with the tokens outside each row's nucleus zeroed, in place: a token stays when
         the mass above it is at most top_p, and so do its ties. On CUDA the threshold comes from one Triton kernel,
         which never reads the device back (async scheduling)."""
@@ -246,6 +249,8 @@ class Sampler:
             from engine.kernels.triton.nucleus import nucleus_threshold  # imports triton: only where it runs
 
             threshold = nucleus_threshold(probs, top_p)[:, None]
+        elif self.cpu_nucleus_threshold is not None and probs.is_contiguous() and probs.dtype == torch.float32:
+            threshold = self.cpu_nucleus_threshold(probs, top_p.contiguous())
         else:
             threshold = nucleus_threshold_by_candidates(probs, top_p)
         return probs.masked_fill_(probs < threshold, 0.0)
@@ -298,10 +303,11 @@ class Sampler:
 
 
 def nucleus_threshold_by_candidates(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The CPU's top-p: each row's threshold [rows, 1], the least probability its nucleus keeps. A sort of the
-    vocabulary costs ~2 ms a row there, so the rows' top candidates are tried first, in NUCLEUS_CANDIDATES tiers:
-    they cover a row when their mass exceeds top_p (the next token then has more than top_p above it); rows a tier
-    does not cover go on to the next, and to the sort last (which needs the device read: free on CPU)."""
+    """Top-p on CPU in torch, where the C++ kernel (csrc/nucleus_cpu.cpp) is not built: each row's threshold [rows, 1],
+    the least probability its nucleus keeps. A sort of the vocabulary costs ~2 ms a row there, so the rows' top
+    candidates are tried first, in NUCLEUS_CANDIDATES tiers: they cover a row when their mass exceeds top_p (the next
+    token then has more than top_p above it); rows a tier does not cover go on to the next, and to the sort last
+    (which needs the device read: free on CPU)."""
     threshold = torch.empty((probs.shape[0], 1), dtype=probs.dtype, device=probs.device)
     top_p = top_p.reshape(-1, 1)
     rows = None  # all of them
