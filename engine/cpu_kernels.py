@@ -39,7 +39,7 @@ def cpu_features_tag() -> str:
 UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "nucleus_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
         "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp", "decoder_cpu.cpp")
 FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "paged_prefill",
-             "has_bf16_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_threshold"]
+             "has_bf16_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_"]
 
 
 @functools.cache
@@ -89,11 +89,11 @@ def paged_decode_op():
     return _built_or_none(build_paged_decode, "C++ paged attention", "the torch path")
 
 
-def nucleus_threshold_op():
-    """Top-p's per-row threshold (csrc/nucleus_cpu.cpp), or None (logged) where the kernels do not build: the
-    sampler then takes its torch tiers."""
+def nucleus_mask_op():
+    """Top-p in place (csrc/nucleus_cpu.cpp: each row's threshold, and what is below it zeroed), or None (logged)
+    where the kernels do not build: the sampler then takes its torch tiers."""
     kernels = _built_or_none(build_kernels, "C++ top-p", "torch's topk tiers")
-    return kernels.nucleus_threshold if kernels is not None else None
+    return kernels.nucleus_mask_ if kernels is not None else None
 
 
 def paged_prefill_op(dtype, head_dim: int, block_size: int):

@@ -16,7 +16,7 @@ from engine.attention_backend import choose_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
-from engine.cpu_kernels import build_paged_decode, fused_ops, nucleus_threshold_op, paged_decode_op, paged_prefill_op
+from engine.cpu_kernels import build_paged_decode, fused_ops, nucleus_mask_op, paged_decode_op, paged_prefill_op
 from engine.engine_stats import EngineStats
 from engine.host_memory import keep_freed_memory
 from engine.kv_budget import num_kv_blocks
@@ -80,7 +80,7 @@ class LLMEngine:
                                   sorted(self.eos_token_ids))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len)
-        self.sampler = StepSampler(self.eos_token_ids, nucleus_threshold_op() if self.device.type == "cpu" else None)
+        self.sampler = StepSampler(self.eos_token_ids, nucleus_mask_op() if self.device.type == "cpu" else None)
         self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting))
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         # num_steps_ahead: steps launched before the step before them was read (async scheduling)

@@ -76,10 +76,10 @@ class GrammarMask(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, cpu_nucleus_threshold: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
-        """`cpu_nucleus_threshold(probs, top_p)`: top-p's per-row threshold on CPU, the compiled kernel
-        (cpu_kernels.nucleus_threshold_op) where the engine has it, else `nucleus_threshold_by_candidates`."""
-        self.cpu_nucleus_threshold = cpu_nucleus_threshold
+    def __init__(self, cpu_nucleus_mask: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        """`cpu_nucleus_mask(probs, top_p)`: top-p in place on CPU, the compiled kernel (cpu_kernels.nucleus_mask_op)
+        where the engine has it, else `nucleus_threshold_by_candidates` and a masked_fill."""
+        self.cpu_nucleus_mask = cpu_nucleus_mask
 
     def __call__(
         self,
@@ -249,8 +249,9 @@ class Sampler:
             from engine.kernels.triton.nucleus import nucleus_threshold  # imports triton: only where it runs
 
             threshold = nucleus_threshold(probs, top_p)[:, None]
-        elif self.cpu_nucleus_threshold is not None and probs.is_contiguous() and probs.dtype == torch.float32:
-            threshold = self.cpu_nucleus_threshold(probs, top_p.contiguous())
+        elif self.cpu_nucleus_mask is not None and probs.is_contiguous() and probs.dtype == torch.float32:
+            self.cpu_nucleus_mask(probs, top_p.contiguous())
+            return probs
         else:
             threshold = nucleus_threshold_by_candidates(probs, top_p)
         return probs.masked_fill_(probs < threshold, 0.0)

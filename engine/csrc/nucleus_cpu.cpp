@@ -1,5 +1,5 @@
-// Top-p on CPU: each row's nucleus threshold, the least probability the nucleus keeps (the sampler then zeroes what
-// is below it). A token is kept when the mass above it is at most top_p, and so are its ties: the threshold is the
+// Top-p on CPU: each row's nucleus threshold, the least probability the nucleus keeps, and the row's tokens below it
+// zeroed in place while the row is still in cache (a separate compare and masked_fill cost as much again). A token is kept when the mass above it is at most top_p, and so are its ties: the threshold is the
 // largest value t in the row with mass(p >= t) > top_p, as in the Triton kernel (kernels/triton/nucleus.py).
 //
 // No sort of the vocabulary: tokens below (1 - top_p) / (2 * vocab) hold less than (1 - top_p) / 2 together, so the
@@ -82,8 +82,9 @@ inline float row_threshold(const float* row, int64_t vocab, float top_p, float* 
 
 }  // namespace nucleus_detail
 
-// probs [rows, vocab] float32 (each row summing to 1), top_p [rows] -> threshold [rows, 1].
-torch::Tensor nucleus_threshold(torch::Tensor probs, torch::Tensor top_p) {
+// probs [rows, vocab] float32 (each row summing to 1), top_p [rows] -> threshold [rows, 1]; what is below a row's
+// threshold is zeroed in probs.
+torch::Tensor nucleus_mask_(torch::Tensor probs, torch::Tensor top_p) {
   ReleaseGil no_gil;
   TORCH_CHECK(probs.dim() == 2 && probs.is_contiguous() && probs.scalar_type() == torch::kFloat,
               "probs must be a contiguous float32 [rows, vocab]");
@@ -91,13 +92,17 @@ torch::Tensor nucleus_threshold(torch::Tensor probs, torch::Tensor top_p) {
               "top_p must hold one float32 a row");
   const int64_t rows = probs.size(0), vocab = probs.size(1);
   auto threshold = torch::empty({rows, 1}, probs.options());
-  const float* p = probs.data_ptr<float>();
+  float* p = probs.data_ptr<float>();
   const float* nucleus = top_p.data_ptr<float>();
   float* out = threshold.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> candidates(vocab);
-    for (int64_t r = begin; r < end; ++r)
-      out[r] = nucleus_detail::row_threshold(p + r * vocab, vocab, nucleus[r], candidates.data());
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = p + r * vocab;
+      const float least = nucleus_detail::row_threshold(row, vocab, nucleus[r], candidates.data());
+      out[r] = least;
+      for (int64_t i = 0; i < vocab; ++i) row[i] = row[i] < least ? 0.f : row[i];
+    }
   });
   return threshold;
 }

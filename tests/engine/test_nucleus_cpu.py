@@ -12,7 +12,17 @@ from tests.fixtures.tiny_models import tiny_checkpoint
 
 @pytest.fixture(scope="module")
 def threshold():
-    return build_kernels().nucleus_threshold
+    """The kernel's threshold for rows it leaves untouched (it zeroes a copy)."""
+    mask = build_kernels().nucleus_mask_
+    return lambda probs, top_p: mask(probs.clone(), top_p)
+
+
+def test_the_kernel_zeroes_what_is_below_the_threshold_and_nothing_else():
+    probs = rows(5000, 2)
+    masked = probs.clone()
+    least = build_kernels().nucleus_mask_(masked, torch.full((7,), 0.9))
+    assert torch.equal(masked, torch.where(probs >= least, probs, 0.0))
+    assert torch.equal(masked > 0, kept_by_definition(probs, torch.full((7, 1), 0.9)))
 
 
 def kept_by_definition(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -87,7 +97,7 @@ def test_rows_without_a_distribution_leave_the_others_right(threshold):
     assert torch.equal(got[good], kept_by_definition(probs, p)[good])
 
 
-def test_the_sampler_draws_the_same_tokens_on_the_kernel_as_on_the_torch_tiers(threshold):
+def test_the_sampler_draws_the_same_tokens_on_the_kernel_as_on_the_torch_tiers():
     """Same seeds, same logits: the same kept sets give the same draws, row by row."""
     logits = torch.randn(16, 5000, generator=torch.Generator().manual_seed(8)) * 3
     params = [SamplingParams(temperature=0.9, top_p=0.8, seed=s) for s in range(16)]
@@ -95,17 +105,17 @@ def test_the_sampler_draws_the_same_tokens_on_the_kernel_as_on_the_torch_tiers(t
     def draw(sampler: Sampler) -> list[int]:
         return sampler(logits, params, [make_generator(p) for p in params], None)[0]
 
-    assert draw(Sampler(threshold)) == draw(Sampler())
+    assert draw(Sampler(build_kernels().nucleus_mask_)) == draw(Sampler())
 
 
 def test_a_cpu_engine_samples_top_p_on_the_kernel_and_draws_what_the_tiers_draw(tmp_path_factory):
     llm = LLM(model=tiny_checkpoint(tmp_path_factory.mktemp("nucleus"), "qwen2-hd128"), dtype="float32", device="cpu",
               num_kv_blocks=64, max_num_seqs=4)
     sampler = llm.engine.sampler.sampler
-    assert sampler.cpu_nucleus_threshold is not None
+    assert sampler.cpu_nucleus_mask is not None
     work = [[5 + i, 17, 300 + 7 * i, 42] for i in range(4)]
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True) for i in range(4)]
     on_kernel = [o.token_ids for o in llm.generate(work, params, use_tqdm=False)]
-    sampler.cpu_nucleus_threshold = None
+    sampler.cpu_nucleus_mask = None
     on_tiers = [o.token_ids for o in llm.generate(work, params, use_tqdm=False)]
     assert on_kernel == on_tiers and all(len(t) == 12 for t in on_kernel)
