@@ -1,6 +1,7 @@
 // Top-p on CPU: each row's nucleus threshold, the least probability the nucleus keeps, and the row's tokens below it
-// zeroed in place while the row is still in cache (a separate compare and masked_fill cost as much again). A token is kept when the mass above it is at most top_p, and so are its ties: the threshold is the
-// largest value t in the row with mass(p >= t) > top_p, as in the Triton kernel (kernels/triton/nucleus.py).
+// zeroed in place while the row is still in cache (a separate compare and masked_fill cost as much again). A token
+// is kept when the mass above it is at most top_p, and so are its ties: the threshold is the largest value t in the
+// row with mass(p >= t) > top_p, as in the Triton kernel (kernels/triton/nucleus.py).
 //
 // No sort of the vocabulary: tokens below (1 - top_p) / (2 * vocab) hold less than (1 - top_p) / 2 together, so the
 // threshold is above all of them, and most of a language model's vocabulary is that unlikely. The rest (a few
@@ -63,12 +64,13 @@ inline float row_threshold(const float* row, int64_t vocab, float top_p, float* 
     const float pivot = median_of_three(c[lo], c[lo + (hi - lo) / 2], c[hi - 1]);
     int64_t gt, lt;
     const double heavier = above + partition(c, lo, hi, pivot, gt, lt);
+    const double through_pivot = heavier + static_cast<double>(pivot) * static_cast<double>(lt - gt);
     if (heavier > top_p) {
       hi = gt;  // the threshold is above the pivot
-    } else if (heavier + static_cast<double>(pivot) * static_cast<double>(lt - gt) > top_p) {
+    } else if (through_pivot > top_p) {
       return pivot;
     } else {
-      above = heavier + static_cast<double>(pivot) * static_cast<double>(lt - gt);
+      above = through_pivot;
       lo = lt;
     }
   }

@@ -17,14 +17,6 @@ def threshold():
     return lambda probs, top_p: mask(probs.clone(), top_p)
 
 
-def test_the_kernel_zeroes_what_is_below_the_threshold_and_nothing_else():
-    probs = rows(5000, 2)
-    masked = probs.clone()
-    least = build_kernels().nucleus_mask_(masked, torch.full((7,), 0.9))
-    assert torch.equal(masked, torch.where(probs >= least, probs, 0.0))
-    assert torch.equal(masked > 0, kept_by_definition(probs, torch.full((7, 1), 0.9)))
-
-
 def kept_by_definition(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Sorted, the mass above each token summed in float64; every token tied with a kept one kept too."""
     values, order = probs.double().sort(dim=-1, descending=True)
@@ -40,6 +32,14 @@ def rows(vocab: int, seed: int) -> torch.Tensor:
     logits = torch.randn(7, vocab, generator=generator, dtype=torch.float64) * scales
     logits[6, vocab // 2] = 60.0
     return logits.softmax(-1).float()
+
+
+def test_the_kernel_zeroes_what_is_below_the_threshold_and_nothing_else():
+    probs = rows(5000, 2)
+    masked = probs.clone()
+    least = build_kernels().nucleus_mask_(masked, torch.full((7,), 0.9))
+    assert torch.equal(masked, torch.where(probs >= least, probs, 0.0))
+    assert torch.equal(masked > 0, kept_by_definition(probs, torch.full((7, 1), 0.9)))
 
 
 @pytest.mark.parametrize("vocab", [5, 40, 5000, 49152])
