@@ -119,3 +119,5 @@ def test_a_cpu_engine_samples_top_p_on_the_kernel_and_draws_what_the_tiers_draw(
     sampler.cpu_nucleus_mask = None
     on_tiers = [o.token_ids for o in llm.generate(work, params, use_tqdm=False)]
     assert on_kernel == on_tiers and all(len(t) == 12 for t in on_kernel)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks left held"
