@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import shutil
@@ -36,8 +37,8 @@ def cpu_features_tag() -> str:
 
 
 # One translation unit, in this order: the decoder (last) calls the others' kernels directly.
-UNIT = ("release_gil.h", "fused_ops_cpu.cpp", "nucleus_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
-        "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp", "decoder_cpu.cpp")
+UNIT = ("python_bindings.h", "release_gil.h", "fused_ops_cpu.cpp", "nucleus_cpu.cpp", "paged_attention_cpu.cpp",
+        "prefill_attention_cpu.cpp", "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp", "decoder_cpu.cpp")
 FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "paged_prefill",
              "has_bf16_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_"]
 
@@ -51,6 +52,8 @@ def build_kernels(extra_cflags: tuple[str, ...] = ()):
     from torch.utils.cpp_extension import load_inline
 
     variant = hashlib.blake2b(" ".join(extra_cflags).encode(), digest_size=3).hexdigest() if extra_cflags else ""
+    # the unit includes what it uses (csrc/python_bindings.h); torch older than this option puts torch/extension.h first
+    lean = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
     try:
         return load_inline(
             name=f"engine_cpu_kernels_{cpu_features_tag()}{variant}",
@@ -59,6 +62,7 @@ def build_kernels(extra_cflags: tuple[str, ...] = ()):
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", *extra_cflags],
             extra_ldflags=["-fopenmp", "-lmvec"],
             verbose=False,
+            **lean,
         )
     except Exception as exc:
         raise KernelBuildError(f"the C++ kernels in {SOURCES} failed to build: {exc}") from exc

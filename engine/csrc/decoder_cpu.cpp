@@ -3,10 +3,14 @@
 // or two rows on GGUF blocks, and about a tenth at 48 rows on oneDNN-packed dense weights. The kernels and their
 // order are exactly those of engine/models/llama.py, so both paths give the same numbers; only the dispatch moves.
 
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
 namespace {
 
 // oneDNN's packed linear, the op engine/layers/linear.py's packed_matmul calls, with the same arguments.
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
                           c10::List<std::optional<c10::Scalar>>(), std::string("")};
@@ -18,15 +22,15 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // oneDNN-packed weight, two empty tensors and its bias. An empty tensor stands for "none" (mins: a Q8_0 matrix;
 // bias: no bias).
 struct LayerLinear {
-  const torch::Tensor &codes_or_packed, &scales, &mins, &bias;
+  const at::Tensor &codes_or_packed, &scales, &mins, &bias;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (!scales.numel()) return packed_linear(x, codes_or_packed, bias);
     // As engine/layers/quantized.py's block_matmul: fp32 in and out of the kernel, the bias added in fp32.
-    const auto x32 = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
+    const auto x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
     auto y = matmul_blocks(x32, codes_or_packed, scales, mins);
     if (bias.numel()) y.add_(bias);
-    return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
   }
 };
 
@@ -37,19 +41,19 @@ constexpr int64_t kWeightsPerLayer = 18;  // the order of engine/models/llama.py
 // hidden [B, hidden_size]: the token embeddings of B single-token decodes. Runs every layer (RMSNorm with
 // the residual add, q/k/v, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
 // returns (hidden, residual) of the last layer, before the final norm.
-std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
-                                         std::vector<torch::Tensor> kv_caches, torch::Tensor positions,
-                                         torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t heads,
+std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor> weights,
+                                         std::vector<at::Tensor> kv_caches, at::Tensor positions,
+                                         at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                         at::Tensor block_tables, at::Tensor context_lens, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
   ReleaseGil no_gil;
   TORCH_CHECK(hidden.dim() == 2, "decode_layers takes hidden states [B, hidden]");
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(layers * kWeightsPerLayer == static_cast<int64_t>(weights.size()) && kv_caches.size() == 2 * layers);
   const int64_t batch = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
-  c10::optional<torch::Tensor> residual;
+  c10::optional<at::Tensor> residual;
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     const LayerLinear qkv_proj{w[1], w[2], w[3], w[4]}, o_proj{w[5], w[6], w[7], w[8]};
     const LayerLinear gate_up_proj{w[10], w[11], w[12], w[13]}, down_proj{w[14], w[15], w[16], w[17]};
     const auto& k_cache = kv_caches[2 * l];

@@ -2,9 +2,12 @@
 // spell them: at a decode batch of one, those dispatches cost more than the matmuls of a 4-bit model.
 // Rounding follows transformers' Llama code: the residual sum and every op's output are in the model's dtype; the
 // norm's statistics and each op's arithmetic are in fp32.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <algorithm>
 #include <cmath>
 
@@ -39,14 +42,14 @@ void add_rms_norm_rows(const scalar_t* x, const scalar_t* residual, const scalar
 }  // namespace
 
 // -> (weight * norm(x + residual), x + residual); residual may be undefined (the first layer).
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
                                         double eps) {
   ReleaseGil no_gil;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type());
   const bool has_residual = residual.has_value() && residual->defined();
   if (has_residual) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type());
-  auto normed = torch::empty_like(x);
-  auto sum = has_residual ? torch::empty_like(x) : x;
+  auto normed = at::empty_like(x);
+  auto sum = has_residual ? at::empty_like(x) : x;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     if (has_residual) {
       add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual->data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
@@ -62,11 +65,11 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 
 // Rotates the first `rotated_heads` heads of each row of qkv [T, heads_total * D] in place (q then k, in the halves
 // convention of HF's rotate_half), at each token's position in the fp32 cos/sin tables [max_position, D / 2].
-void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+void rotary_inplace(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                     int64_t rotated_heads, int64_t head_dim) {
   ReleaseGil no_gil;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && positions.scalar_type() == torch::kLong);
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && positions.scalar_type() == at::kLong);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2);
   const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), half = head_dim / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
   TORCH_CHECK(positions.numel() == tokens && positions.is_contiguous(), "one position per row");
@@ -94,11 +97,11 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 }
 
 // SiLU(gate) * up over the merged gate/up output [T, 2 * I] -> [T, I].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   ReleaseGil no_gil;
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous());
   const int64_t tokens = gate_up.size(0), inner = gate_up.size(1) / 2;
-  auto out = torch::empty({tokens, inner}, gate_up.options());
+  auto out = at::empty({tokens, inner}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -119,9 +122,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 
 // Writes each new token's key and value [T, kv_heads, D] (rows may be strided views of the merged projection) into
 // its pool slot of the caches [kv_heads, num_blocks, block_size, D].
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots) {
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor key, at::Tensor value, at::Tensor slots) {
   ReleaseGil no_gil;
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == torch::kLong);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong);
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be dense in head_dim");
   const int64_t tokens = key.size(0), kv_heads = key.size(1), head_dim = key.size(2);

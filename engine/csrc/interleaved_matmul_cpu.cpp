@@ -12,6 +12,9 @@
 //   scales d (and Q4 mins m): [N/16, K/32, 16] fp16, the file's own values.
 // |products| of a block sum to at most 32 * 128 * 32767 < 2^31: the int32 sums cannot overflow.
 
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <cstring>
 
 namespace {
@@ -80,17 +83,17 @@ inline void group_dot(const uint8_t* codes, const c10::Half* d, const c10::Half*
 }
 
 template <bool kQ4>
-torch::Tensor interleaved_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                                 const torch::Tensor& m) {
+at::Tensor interleaved_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                                 const at::Tensor& m) {
   constexpr int64_t bytes = kQ4 ? 256 : 512;
   const int64_t m_rows = x.size(0), k = x.size(1), row_groups = codes.size(0), groups = k / kBlock, n = row_groups * kLanes;
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.size(1) == groups &&
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(1) == groups &&
               codes.size(2) == bytes, "interleaved codes must be [N/16, K/32, ", bytes, "] uint8");
-  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && d.numel() == row_groups * groups * kLanes);
-  TORCH_CHECK(!kQ4 || (m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == d.numel()));
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == row_groups * groups * kLanes);
+  TORCH_CHECK(!kQ4 || (m.scalar_type() == at::kHalf && m.is_contiguous() && m.numel() == d.numel()));
   const Int16Activations activations(x.contiguous());
   const auto rows = activations.rows();
-  auto y = torch::empty({m_rows, n}, x.options());
+  auto y = at::empty({m_rows, n}, x.options());
   const uint8_t* qp = codes.data_ptr<uint8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = kQ4 ? m.data_ptr<c10::Half>() : nullptr;
@@ -112,9 +115,9 @@ torch::Tensor interleaved_matmul(const torch::Tensor& x, const torch::Tensor& co
 #endif
 
 // Either layout: interleaved codes are 3-D, the file's 2-D. `mins` is empty for Q8_0.
-torch::Tensor matmul_blocks(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                            const torch::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % kBlock == 0,
+at::Tensor matmul_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kBlock == 0,
               "x must be [M, K] float32 with K a multiple of 32");
   const bool q4 = mins.numel() > 0;
   if (codes.dim() == 3) {
@@ -138,12 +141,12 @@ int64_t interleaved_rows() {
 #endif
 }
 
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor mins) {
+at::Tensor q4_matmul(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor mins) {
   ReleaseGil no_gil;
   return matmul_blocks(x, q, scales, mins);
 }
 
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
+at::Tensor q8_matmul(at::Tensor x, at::Tensor q, at::Tensor scales) {
   ReleaseGil no_gil;
-  return matmul_blocks(x, q, scales, torch::Tensor());
+  return matmul_blocks(x, q, scales, at::Tensor());
 }

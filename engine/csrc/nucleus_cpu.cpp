@@ -7,6 +7,9 @@
 // threshold is above all of them, and most of a language model's vocabulary is that unlikely. The rest (a few
 // hundred values, a few thousand for a flat row) go through a selection by mass: partition around a pivot, keep the
 // side that holds the threshold, until a short run is left to sort. Masses add in double.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -86,14 +89,14 @@ inline float row_threshold(const float* row, int64_t vocab, float top_p, float* 
 
 // probs [rows, vocab] float32 (each row summing to 1), top_p [rows] -> threshold [rows, 1]; what is below a row's
 // threshold is zeroed in probs.
-torch::Tensor nucleus_mask_(torch::Tensor probs, torch::Tensor top_p) {
+at::Tensor nucleus_mask_(at::Tensor probs, at::Tensor top_p) {
   ReleaseGil no_gil;
-  TORCH_CHECK(probs.dim() == 2 && probs.is_contiguous() && probs.scalar_type() == torch::kFloat,
+  TORCH_CHECK(probs.dim() == 2 && probs.is_contiguous() && probs.scalar_type() == at::kFloat,
               "probs must be a contiguous float32 [rows, vocab]");
-  TORCH_CHECK(top_p.is_contiguous() && top_p.scalar_type() == torch::kFloat && top_p.numel() == probs.size(0),
+  TORCH_CHECK(top_p.is_contiguous() && top_p.scalar_type() == at::kFloat && top_p.numel() == probs.size(0),
               "top_p must hold one float32 a row");
   const int64_t rows = probs.size(0), vocab = probs.size(1);
-  auto threshold = torch::empty({rows, 1}, probs.options());
+  auto threshold = at::empty({rows, 1}, probs.options());
   float* p = probs.data_ptr<float>();
   const float* nucleus = top_p.data_ptr<float>();
   float* out = threshold.data_ptr<float>();

@@ -1,8 +1,10 @@
 // Decode attention straight from the paged KV pool: one query token per sequence, each sequence read only up to
 // its own length through its block table. No gather copy and no padding, which is where the torch path spends its time.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 #include <cmath>
 #include <algorithm>
 #include <limits>
@@ -291,7 +293,7 @@ static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scal
 
 // The kernel trusts the tables it reads: a bookkeeping bug would read another request's cache, or past the pool.
 // A few compares a block per call (the used part of each row) make it an error instead.
-static void check_block_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t num_blocks,
+static void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks,
                                int64_t block_size) {
   TORCH_CHECK(tables.size(0) == lens.size(0), "one block table and one context length per sequence");
   const int64_t batch = tables.size(0), width = tables.size(1);
@@ -306,15 +308,15 @@ static void check_block_tables(const torch::Tensor& tables, const torch::Tensor&
 }
 
 // query [B, heads, D]; caches [kv_heads, num_blocks, block_size, D]; block_tables [B, max_blocks]; context_lens [B]
-torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and KV pool must share a dtype");
   auto q = query.contiguous();
-  auto tables = block_tables.to(torch::kLong).contiguous();
-  auto lens = context_lens.to(torch::kLong).contiguous();
-  auto out = torch::empty_like(q);
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto lens = context_lens.to(at::kLong).contiguous();
+  auto out = at::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");

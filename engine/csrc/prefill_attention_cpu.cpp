@@ -7,9 +7,11 @@
 // `vdpbf16ps` of the rows' query pairs with each key's pair broadcast from the pool, so the online softmax is
 // lane-wise with no horizontal reduction; the weights, rounded to bf16 as torch's flash kernel rounds them, go
 // through `vdpbf16ps` again against value pairs of two keys. Outputs stay in a per-tile fp32 accumulator.
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
 
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -172,7 +174,7 @@ void attend_chunk(const Chunk& c, int64_t kv_heads) {
 // query [n, heads, D] bf16 (rows may be strided, as a view of the step's fused QKV); caches [kv_heads, num_blocks,
 // block_size, D] with the chunk's K/V already written; block_table: the sequence's blocks; context_len: its tokens
 // once this chunk is in. -> [n, heads, D]
-torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                             int64_t context_len, double scale) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
@@ -184,10 +186,10 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor k_cache, torch::T
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged_prefill has head_dim 64 and 128, not ", head_dim);
   TORCH_CHECK(heads % kv_heads == 0 && block_size % prefill::kTile == 0 && k_cache.size(3) == head_dim, "pool geometry");
   TORCH_CHECK(n >= 1 && context_len >= n, "a chunk of ", n, " tokens in a context of ", context_len);
-  auto table = block_table.to(torch::kLong).contiguous();
-  check_block_tables(table.view({1, -1}), torch::tensor({context_len}), num_blocks, block_size);  // paged_attention_cpu.cpp
+  auto table = block_table.to(at::kLong).contiguous();
+  check_block_tables(table.view({1, -1}), at::tensor({context_len}), num_blocks, block_size);  // paged_attention_cpu.cpp
   const int64_t* ids = table.data_ptr<int64_t>();
-  auto out = torch::empty({n, heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({n, heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
   const prefill::Chunk chunk{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), n, heads,
                     heads / kv_heads, context_len, block_size, num_blocks,
                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),

@@ -8,9 +8,10 @@
 // interleaved_matmul_cpu.cpp instead. The portable path and AVX-512 on the file's layout take fp32 activations (the
 // dequantized fp32 matmul within fp32 rounding); the AVX2 path and the interleaved one round them to 16 bits per
 // block (below), an error of at most 2^-16 of a block's largest activation.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -63,8 +64,8 @@ struct FloatRows {
 };
 
 struct FloatActivations {
-  torch::Tensor x;
-  explicit FloatActivations(const torch::Tensor& x) : x(x) {}
+  at::Tensor x;
+  explicit FloatActivations(const at::Tensor& x) : x(x) {}
   FloatRows rows() const { return {x.data_ptr<float>(), x.size(1)}; }
 };
 
@@ -142,7 +143,7 @@ struct Int16Activations {
   int64_t k;
   std::vector<int16_t> codes;
   std::vector<float> scales, sums;
-  explicit Int16Activations(const torch::Tensor& x)
+  explicit Int16Activations(const at::Tensor& x)
       : k(x.size(1)), codes(x.numel()), scales(x.numel() / kBlock), sums(x.numel() / kBlock) {
     const float* xp = x.data_ptr<float>();
     for (size_t b = 0; b < scales.size(); ++b) {
@@ -254,15 +255,15 @@ using Activations = FloatActivations;
 #endif
 
 template <typename Block>
-torch::Tensor block_matmul(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                           const c10::optional<torch::Tensor>& mins) {
-  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous(), "q must be contiguous uint8");
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& mins) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8");
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
   TORCH_CHECK(q.size(1) == k / kBlock * Block::bytes, "q must be [N, K/32 blocks]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(1) == k / kBlock);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(1) == k / kBlock);
   const Activations activations(x.contiguous());
   const auto rows = activations.rows();
-  auto y = torch::empty({m_rows, n}, x.options());
+  auto y = at::empty({m_rows, n}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* dp = scales.data_ptr<float>();
   const float* mp = mins ? mins->data_ptr<float>() : nullptr;

@@ -2,7 +2,7 @@
 // A kernel called from another kernel (decoder_cpu.cpp) already runs without it, so it is released only if held.
 // cpu_kernels.py puts this file first in the one translation unit it builds from engine/csrc.
 #pragma once
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 #include <optional>
 

@@ -124,8 +124,8 @@ BUILT_ELSEWHERE = [isa for isa in ISA_VARIANTS if not (isa == "avx2" and torch.b
 
 @pytest.fixture(scope="module")
 def isa_variants() -> dict:
-    """Every variant built at once: a build is one compiler process (about 30 s, mostly torch's headers), so on two
-    cores both take the time of one."""
+    """Every variant built at once: a build is one compiler process (about 35 s), so on two cores both take the time
+    of one."""
     with ThreadPoolExecutor(len(BUILT_ELSEWHERE)) as pool:
         return dict(zip(BUILT_ELSEWHERE, pool.map(lambda isa: build_block_matmul(ISA_VARIANTS[isa]), BUILT_ELSEWHERE)))
 
