@@ -42,10 +42,10 @@ constexpr int64_t kWeightsPerLayer = 18;  // the order of engine/models/llama.py
 // the residual add, q/k/v, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
 // returns (hidden, residual) of the last layer, before the final norm.
 std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor> weights,
-                                         std::vector<at::Tensor> kv_caches, at::Tensor positions,
-                                         at::Tensor cos, at::Tensor sin, at::Tensor slots,
-                                         at::Tensor block_tables, at::Tensor context_lens, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
+                                      std::vector<at::Tensor> kv_caches, at::Tensor positions,
+                                      at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                      at::Tensor block_tables, at::Tensor context_lens, int64_t heads,
+                                      int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
   ReleaseGil no_gil;
   TORCH_CHECK(hidden.dim() == 2, "decode_layers takes hidden states [B, hidden]");
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;

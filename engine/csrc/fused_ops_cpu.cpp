@@ -2,12 +2,12 @@
 // spell them: at a decode batch of one, those dispatches cost more than the matmuls of a 4-bit model.
 // Rounding follows transformers' Llama code: the residual sum and every op's output are in the model's dtype; the
 // norm's statistics and each op's arithmetic are in fp32.
-
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -43,7 +43,7 @@ void add_rms_norm_rows(const scalar_t* x, const scalar_t* residual, const scalar
 
 // -> (weight * norm(x + residual), x + residual); residual may be undefined (the first layer).
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
-                                        double eps) {
+                                     double eps) {
   ReleaseGil no_gil;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type());
   const bool has_residual = residual.has_value() && residual->defined();

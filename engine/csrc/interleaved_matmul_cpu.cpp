@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+
 #include <cstring>
 
 namespace {
@@ -84,7 +85,7 @@ inline void group_dot(const uint8_t* codes, const c10::Half* d, const c10::Half*
 
 template <bool kQ4>
 at::Tensor interleaved_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                                 const at::Tensor& m) {
+                              const at::Tensor& m) {
   constexpr int64_t bytes = kQ4 ? 256 : 512;
   const int64_t m_rows = x.size(0), k = x.size(1), row_groups = codes.size(0), groups = k / kBlock, n = row_groups * kLanes;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(1) == groups &&
@@ -116,7 +117,7 @@ at::Tensor interleaved_matmul(const at::Tensor& x, const at::Tensor& codes, cons
 
 // Either layout: interleaved codes are 3-D, the file's 2-D. `mins` is empty for Q8_0.
 at::Tensor matmul_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                            const at::Tensor& mins) {
+                         const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kBlock == 0,
               "x must be [M, K] float32 with K a multiple of 32");
   const bool q4 = mins.numel() > 0;

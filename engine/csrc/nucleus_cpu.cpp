@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+
 #include <algorithm>
 #include <cstring>
 #include <functional>

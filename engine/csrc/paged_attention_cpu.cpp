@@ -1,10 +1,10 @@
 // Decode attention straight from the paged KV pool: one query token per sequence, each sequence read only up to
 // its own length through its block table. No gather copy and no padding, which is where the torch path spends its time.
-
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
+
 #include <cmath>
 #include <algorithm>
 #include <limits>
@@ -309,7 +309,7 @@ static void check_block_tables(const at::Tensor& tables, const at::Tensor& lens,
 
 // query [B, heads, D]; caches [kv_heads, num_blocks, block_size, D]; block_tables [B, max_blocks]; context_lens [B]
 at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor context_lens, double scale) {
+                        at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and KV pool must share a dtype");

@@ -7,11 +7,11 @@
 // `vdpbf16ps` of the rows' query pairs with each key's pair broadcast from the pool, so the online softmax is
 // lane-wise with no horizontal reduction; the weights, rounded to bf16 as torch's flash kernel rounds them, go
 // through `vdpbf16ps` again against value pairs of two keys. Outputs stay in a per-tile fp32 accumulator.
-
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -175,7 +175,7 @@ void attend_chunk(const Chunk& c, int64_t kv_heads) {
 // block_size, D] with the chunk's K/V already written; block_table: the sequence's blocks; context_len: its tokens
 // once this chunk is in. -> [n, heads, D]
 at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                            int64_t context_len, double scale) {
+                         int64_t context_len, double scale) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "paged_prefill takes bf16 queries and a bf16 pool");

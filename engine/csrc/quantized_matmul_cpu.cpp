@@ -8,10 +8,10 @@
 // interleaved_matmul_cpu.cpp instead. The portable path and AVX-512 on the file's layout take fp32 activations (the
 // dequantized fp32 matmul within fp32 rounding); the AVX2 path and the interleaved one round them to 16 bits per
 // block (below), an error of at most 2^-16 of a block's largest activation.
-
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -256,7 +256,7 @@ using Activations = FloatActivations;
 
 template <typename Block>
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                           const c10::optional<at::Tensor>& mins) {
+                        const c10::optional<at::Tensor>& mins) {
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8");
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
   TORCH_CHECK(q.size(1) == k / kBlock * Block::bytes, "q must be [N, K/32 blocks]");
