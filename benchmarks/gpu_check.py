@@ -304,13 +304,12 @@ def hf_static(path: str, device: str, dtype, batch: int, sizes: Sizes) -> dict:
 
 def roofline_tok_s(info: dict, batch: int, sizes: Sizes) -> float | None:
     """benchmarks/roofline.py's decode estimate for the GPU found, where it is one that table knows."""
-    from benchmarks.roofline import GPUS, estimate
+    from benchmarks.roofline import estimate, gpu_spec
 
-    name = info.get("gpu") or ""
-    match = next((spec for key, spec in GPUS.items() if key.split()[0] in name), None)
-    if match is None:
+    spec = gpu_spec(info.get("gpu") or "")
+    if spec is None:
         return None
-    return estimate(*match, batch, sizes.prompt_len, sizes.decode_steps * 2)["tok_s"]
+    return estimate(*spec, batch, sizes.prompt_len, sizes.decode_steps * 2)["tok_s"]
 
 
 def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results: dict) -> list[str]:

@@ -28,14 +28,10 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.roofline import gpu_spec  # noqa: E402
 
 cli = typer.Typer(add_completion=False)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16  # Qwen2.5-1.5B's attention, the engine's block size
-PEAKS = {"H100": (3350, 989), "H200": (4800, 989), "A100": (2039, 312), "L4": (300, 121), "L40S": (864, 362)}  # GB/s, TFLOP/s
-
-
-def peak_of(name: str) -> tuple[float, float] | None:
-    return next((peak for key, peak in PEAKS.items() if key in name), None)
 
 
 def scattered_pool(batch: int, context: int, kv_heads: int, head_dim: int, block_size: int, dtype, device):
@@ -248,7 +244,7 @@ def measure_kernels(device: str, repeats: int = 10) -> tuple[str, list[dict]]:
     for cases in (greedy_cases, top_p_cases):
         for batch in (batches[0], batches[-1]):
             rows += cases(batch, vocab, device, repeats)
-    peak = peak_of(name)
+    peak = gpu_spec(name)
     for row in rows:
         if peak is not None:
             row["of_peak"] = round(row["gb_s"] / peak[0] if "gb_s" in row else row["tflop_s"] / peak[1], 3)
