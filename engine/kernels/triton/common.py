@@ -34,7 +34,9 @@ def launch_options(num_warps: int | None, num_stages: int | None) -> dict:
 
 def _load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, head_offset, stride_cb, stride_co,
                   BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """K and V [TILE, D_PAD] at context `position`s through the sequence's `block_table`; zeros where not visible."""
+    """K and V [TILE, D_PAD] at context `position`s through the sequence's `block_table`; zeros where not visible.
+    `head_offset` comes in int64 (callers widen the head before the product): on a large GPU a layer's pool passes
+    2^31 elements, and the last KV head's offset wrapped in int32."""
     block = tl.load(block_table + position // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
     offset = head_offset + block[:, None] * stride_cb + (position % BLOCK_SIZE)[:, None] * stride_co + d[None, :]
     mask = visible[:, None] & d_ok[None, :]

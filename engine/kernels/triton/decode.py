@@ -53,7 +53,7 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, par
         position = t * TILE + offsets
         visible = position < context_len
         k, v = load_kv_tile(k_cache, v_cache, block_tables + seq * stride_bt, position, visible, d, d_ok,
-                            kv_head * stride_ch, stride_cb, stride_co, BLOCK_SIZE, DOT_DTYPE)
+                            kv_head.to(tl.int64) * stride_ch, stride_cb, stride_co, BLOCK_SIZE, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))

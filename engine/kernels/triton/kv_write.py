@@ -25,7 +25,7 @@ def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping, num_tokens,
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(key + token[:, None] * stride_kt + head[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value + token[:, None] * stride_vt + head[:, None] * stride_vh + d[None, :], mask=mask)
-    dst = head * stride_ch + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+    dst = head.to(tl.int64) * stride_ch + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
     tl.store(k_cache + dst[:, None] + d[None, :], k.to(k_cache.dtype.element_ty), mask=mask)
     tl.store(v_cache + dst[:, None] + d[None, :], v.to(v_cache.dtype.element_ty), mask=mask)
 

@@ -53,7 +53,7 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, query_starts, context
         for t in range(0, (tile_end + TILE - 1) // TILE):  # not tl.cdiv: see common.py's note on the interpreter
             key_position = t * TILE + offsets
             k, v = load_kv_tile(k_cache, v_cache, block_tables + seq * stride_bt, key_position,
-                                key_position < tile_end, d, d_ok, kv_head * stride_ch, stride_cb, stride_co,
+                                key_position < tile_end, d, d_ok, kv_head.to(tl.int64) * stride_ch, stride_cb, stride_co,
                                 BLOCK_SIZE, DOT_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             causal = (key_position[None, :] <= position[:, None]) & (key_position[None, :] < context_len)

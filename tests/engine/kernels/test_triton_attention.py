@@ -119,6 +119,48 @@ def test_kv_write_puts_each_row_in_its_slot_and_skips_padding(cache_dtype):
     assert int((k_cache != 0).any(-1).sum()) == 3 * kv_heads and int((v_cache != 0).any(-1).sum()) == 3 * kv_heads
 
 
+def far_apart_heads(kv_heads, num_blocks, head_dim, dtype):
+    """K and V pools whose KV heads lie 2^30 + 1 elements apart, so the last head starts past 2^31: one layer's pool
+    on a large GPU (a 16-layer model filling an H200 has ~2^31 elements a layer). Only the rows used are ever
+    touched; the rest of the ~4.3 GB stays unallocated on a CPU."""
+    head_stride, head = (1 << 30) + 1, num_blocks * BLOCK_SIZE * head_dim
+    storage = torch.empty((kv_heads - 1) * head_stride + 2 * head, dtype=dtype, device=DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    views = []
+    for offset in (0, head):
+        view = storage.as_strided((kv_heads, num_blocks, BLOCK_SIZE, head_dim),
+                                  (head_stride, BLOCK_SIZE * head_dim, head_dim, 1), offset)
+        for h in range(kv_heads):
+            view[h].copy_(torch.randn(num_blocks, BLOCK_SIZE, head_dim, generator=generator))
+        views.append(view)
+    return views
+
+
+def test_kernels_address_a_kv_head_that_starts_past_2_to_the_31_elements():
+    """A KV head's offset in the pool is computed in 64 bits: in 32 it wrapped, and the kernels read and wrote
+    outside the pool (a crash under the interpreter, an illegal address on a GPU)."""
+    kv_heads, group, head_dim, dtype = 3, 2, 64, torch.bfloat16
+    k_cache, v_cache = far_apart_heads(kv_heads, 4, head_dim, dtype)
+    assert (kv_heads - 1) * k_cache.stride(0) >= 1 << 31 > k_cache.stride(0)
+    spans = [(0, 10), (16, 14)]  # (cached, new) tokens of each sequence
+    context_lens = [cached + new for cached, new in spans]
+    padded = [[2, 0], [1, 3]]  # each sequence's blocks
+    key, value = (torch.randn(1, kv_heads, head_dim, device=DEVICE).to(dtype) for _ in range(2))
+    write_kv(k_cache, v_cache, key, value, as_tensor([3 * BLOCK_SIZE + 5]))
+    assert torch.equal(k_cache[:, 3, 5], key[0]) and torch.equal(v_cache[:, 3, 5], value[0])
+    generator = torch.Generator().manual_seed(6)
+    query = torch.randn(len(spans), kv_heads * group, head_dim, generator=generator).to(DEVICE, dtype)
+    decode = DecodeBatch(as_tensor(padded), as_tensor(context_lens), BLOCK_SIZE)
+    expected = _decode(query, k_cache, v_cache, decode, head_dim**-0.5)
+    got = decode_attention(query, k_cache, v_cache, decode.block_tables, decode.context_lens, head_dim**-0.5)
+    assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]
+    query = torch.randn(sum(new for _, new in spans), kv_heads * group, head_dim, generator=generator).to(DEVICE, dtype)
+    expected = torch_reference(query, k_cache, v_cache, spans, padded, head_dim**-0.5)
+    got = prefill_attention(query, k_cache, v_cache, as_tensor(padded), as_tensor([0, 10, 24]), as_tensor(context_lens),
+                            14, head_dim**-0.5)
+    assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_mixed_step_through_the_layer_matches_the_torch_path(dtype):
     """Decodes first, then prefill chunks, the KV write included: the whole of one layer's attention."""
