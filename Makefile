@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-check gpu-wheels min-versions setup model serve stop test test-fast bench bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: gpu-check gpu-serve-check gpu-wheels min-versions setup model serve stop test test-fast bench bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -47,20 +47,34 @@ bench: model
 # A GPU machine here has no network and gets the tree as a copy (64 MiB at most), with torch, triton and transformers
 # installed: what the engine needs beyond them travels as wheels in the ignored .whl/, downloaded here for its
 # Python 3.12 at the versions this venv tested. gpu-check runs with the machine's own python3, no venv. bitsandbytes
-# (43 MB as a wheel, 125 MB installed) runs the NF4/int8 cases on CUDA; the tree and the wheels stay under 56 MiB.
+# runs the NF4/int8 cases on CUDA. GPU_SERVE_WHEELS is what Ray Serve needs there beyond the image (found by running
+# gpu-serve-check in a venv of the image's packages); protobuf travels too, as the generated code of grpcio-reflection
+# and opentelemetry-proto needs this one. benchmarks/gpu_wheels.py drops what never loads there (Ray's Java jar, the
+# CUDA 11/12 and ROCm builds of bitsandbytes): the tree and the wheels stay under 64 MiB (tests/benchmarks).
 GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection msgspec pyzmq llguidance bitsandbytes
+GPU_SERVE_WHEELS := ray fastapi starlette uvicorn httptools jsonschema jsonschema-specifications referencing rpds-py \
+	protobuf grpcio-reflection aiohttp-cors opencensus opencensus-context google-api-core googleapis-common-protos \
+	google-auth proto-plus pyasn1 pyasn1-modules opentelemetry-api opentelemetry-sdk opentelemetry-proto \
+	opentelemetry-exporter-prometheus opentelemetry-semantic-conventions
 GPU_PLATFORMS := $(foreach n,31 28 27 26 24 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
 GPU_SITE := /tmp/gpu-check-site
 gpu-wheels: setup
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
-		-d .whl $$($(PY) -c "from importlib.metadata import version; print(*(f'{n}=={version(n)}' for n in '$(GPU_WHEELS)'.split()))")
+		-d .whl $$($(PY) -c "from importlib.metadata import version; print(*(f'{n}=={version(n)}' for n in '$(GPU_WHEELS) $(GPU_SERVE_WHEELS)'.split()))")
+	$(PY) benchmarks/gpu_wheels.py .whl
 	@du -sh .whl
 
+GPU_INSTALL = if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile \
+	--upgrade --target $(GPU_SITE) .whl/*.whl; fi
 gpu-check:
-	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-		--target $(GPU_SITE) .whl/*.whl; fi
+	@$(GPU_INSTALL)
 	PYTHONPATH=$(GPU_SITE) python3 benchmarks/gpu_check.py $(ARGS)
+
+# The served app on the GPU: a local Ray and the app from serve_app/config.gpu.yaml, checked and loaded over HTTP
+gpu-serve-check:
+	@$(GPU_INSTALL)
+	PYTHONPATH=$(GPU_SITE) python3 benchmarks/gpu_serve_check.py $(ARGS)
 
 # The lower bounds pyproject.toml declares, installed at their floors (uv's lowest-direct resolution of the serving
 # dependencies; torch stays at 2.13.0, installed first as in setup), and the unit and engine tests run on them (the

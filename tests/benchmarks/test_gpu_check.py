@@ -3,9 +3,12 @@ reaches a GPU machine has run; and what travels there (the tree plus `make gpu-w
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+
+from benchmarks.gpu_wheels import WHEEL_RECORD
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +59,15 @@ def test_the_tree_and_its_gpu_wheels_fit_the_device_copy():
     assert make.returncode == 0, make.stderr[-2000:]
     wheels = ROOT / ".whl"
     names = {p.name.split("-")[0].lower() for p in wheels.glob("*.whl")}
-    assert {"pydantic", "pydantic_core", "msgspec", "pyzmq", "llguidance", "bitsandbytes"} <= names, names
+    assert {"pydantic", "pydantic_core", "msgspec", "pyzmq", "llguidance", "bitsandbytes", "ray", "fastapi", "uvicorn",
+            "opencensus"} <= names, names
+    for name, kept, dropped in (("ray", "ray/_raylet.so", "ray/jars/"), ("bitsandbytes", "cuda130.so", "cuda128.so")):
+        with zipfile.ZipFile(next(wheels.glob(f"{name}-*.whl"))) as wheel:
+            members = set(wheel.namelist())
+            record = next(m for m in members if WHEEL_RECORD.match(m))
+            listed = {line.split(",")[0] for line in wheel.read(record).decode().splitlines() if line}
+        assert any(m.endswith(kept) for m in members) and not any(dropped in m for m in members), name
+        assert listed == members, f"{name}: RECORD lists {sorted(listed ^ members)[:5]}, the wheel holds otherwise"
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
     tree = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())

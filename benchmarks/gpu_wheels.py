@@ -1,0 +1,52 @@
+"""Slims the wheels `make gpu-wheels` downloads, so that they and the tree fit the GPU machine's 64 MiB copy: what
+the GPU checks never load is dropped from a wheel, and from its RECORD, which pip reads when it installs.
+
+Ray's wheel is 79 MB, 34 of them a Java jar; bitsandbytes' is 43 MB, libraries for every CUDA and ROCm release of
+which the GPU image's torch (built for CUDA 13) loads one. What remains of Ray is what Serve runs on: its core
+binaries, Serve, the dashboard agent's Python (it hosts the metrics agent), without the dashboard's web client.
+
+    python benchmarks/gpu_wheels.py .whl
+"""
+from __future__ import annotations
+
+import re
+import sys
+import zipfile
+from pathlib import Path
+
+DROP = {  # distribution -> the paths inside its wheel that never load on the GPU machine
+    "ray": re.compile(r"^ray/(jars|rllib|data|tune|train|air|llm)/|^ray/dashboard/client/build/|\.js\.map$"),
+    "bitsandbytes": re.compile(r"^bitsandbytes/libbitsandbytes_(rocm|cuda1[0-2])"),
+}
+
+
+WHEEL_RECORD = re.compile(r"^[^/]+\.dist-info/RECORD$")
+
+
+def slim(wheel: Path, drop: re.Pattern) -> tuple[int, int]:
+    """Rewrites `wheel` without the members `drop` matches; its size before and after."""
+    before, slimmed = wheel.stat().st_size, wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(slimmed, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            if drop.search(info.filename):
+                continue
+            data = source.read(info)
+            if WHEEL_RECORD.match(info.filename):  # the wheel's own, not those of packages it vendors
+                kept = [line for line in data.decode().splitlines() if not drop.search(line.split(",")[0])]
+                data = ("\n".join(kept) + "\n").encode()
+            info.compress_type = zipfile.ZIP_DEFLATED
+            target.writestr(info, data)
+    slimmed.replace(wheel)
+    return before, wheel.stat().st_size
+
+
+def main(folder: str) -> None:
+    for wheel in sorted(Path(folder).glob("*.whl")):
+        drop = DROP.get(wheel.name.split("-")[0].lower())
+        if drop is not None:
+            before, after = slim(wheel, drop)
+            print(f"{wheel.name}: {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
