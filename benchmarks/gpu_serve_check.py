@@ -120,12 +120,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(args: dict, device: str, log: Log) -> tuple[str, int]:
+def start_app(args: dict, device: str) -> tuple[str, int]:
     """A local Ray and the app; its base URL (healthy) and Ray's metrics port."""
-    import httpx
     import ray
     from ray import serve
 
+    from loadtest.run import wait_healthy
     from serve_app.app import build_app
     from serve_app.ray_env import setdefault_ray_env
 
@@ -139,17 +139,9 @@ def start_app(args: dict, device: str, log: Log) -> tuple[str, int]:
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while True:
-        last = None
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return base, metrics_port
-        except httpx.HTTPError as error:
-            last = error
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{base}/health never answered 200 ({last})")
-        time.sleep(0.5)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, 300, what="the app")
+    return base, metrics_port
 
 
 def functional(base: str, metrics_port: int, log: Log) -> list[str]:
@@ -284,7 +276,7 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu for toy sizes"),
     log(f"engine alone: {report['engine_alone']}")
     started = time.monotonic()
     try:
-        base, metrics_port = start_app(args, device, log)
+        base, metrics_port = start_app(args, device)
         report["startup_s"] = round(time.monotonic() - started, 1)
         log(f"app healthy after {report['startup_s']} s")
         report["failures"] += functional(base, metrics_port, log)
