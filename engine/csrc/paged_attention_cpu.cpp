@@ -293,12 +293,8 @@ static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scal
 
 // The kernel trusts the tables it reads: a bookkeeping bug would read another request's cache, or past the pool.
 // A few compares a block per call (the used part of each row) make it an error instead.
-static void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks,
-                               int64_t block_size) {
-  TORCH_CHECK(tables.size(0) == lens.size(0), "one block table and one context length per sequence");
-  const int64_t batch = tables.size(0), width = tables.size(1);
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
+static void check_block_tables(const int64_t* table, int64_t width, const int64_t* len, int64_t batch,
+                               int64_t num_blocks, int64_t block_size) {
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(len[b] >= 1 && len[b] <= width * block_size, "context length ", len[b], " outside its block table");
     for (int64_t j = 0, used = (len[b] + block_size - 1) / block_size; j < used; ++j)
@@ -320,7 +316,9 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-  check_block_tables(tables, lens, num_blocks, block_size);
+  TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one block table and one context length per sequence");
+  check_block_tables(tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), batch, num_blocks,
+                     block_size);
   ReleaseGil no_gil;  // other Python threads (the replica's event loop) run meanwhile
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto kernel) {

@@ -10,7 +10,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/tensor.h>
 
 #include <algorithm>
 #include <atomic>
@@ -187,7 +186,8 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cach
   TORCH_CHECK(heads % kv_heads == 0 && block_size % prefill::kTile == 0 && k_cache.size(3) == head_dim, "pool geometry");
   TORCH_CHECK(n >= 1 && context_len >= n, "a chunk of ", n, " tokens in a context of ", context_len);
   auto table = block_table.to(at::kLong).contiguous();
-  check_block_tables(table.view({1, -1}), at::tensor({context_len}), num_blocks, block_size);  // paged_attention_cpu.cpp
+  // paged_attention_cpu.cpp's check, on this one table and length
+  check_block_tables(table.data_ptr<int64_t>(), table.numel(), &context_len, 1, num_blocks, block_size);
   const int64_t* ids = table.data_ptr<int64_t>();
   auto out = at::empty({n, heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
   const prefill::Chunk chunk{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), n, heads,
