@@ -8,7 +8,8 @@ of the engine on the device, deployed from `serve_app/config.gpu.yaml`'s args, i
 4. Over HTTP: 401 without the key; a chat completion; a stream, its usage chunk last; a JSON-schema reply that
    validates; the engine's series on Ray's metrics endpoint.
 5. Load: `concurrency` streaming chat clients for `seconds` (sampled, fixed lengths): requests, errors (none may
-   fail), tok/s, time to first token and end to end at p50/p95, served tok/s against the engine alone.
+   fail), tok/s, time to first token and end to end at the load test's percentiles, served tok/s against the engine
+   alone.
 
 Writes `gpu_serve_check.json` and `gpu_serve_check.log` under --out; exits non-zero on any failed check. `--device
 cpu` runs the same code at toy sizes (`make test` does), so what reaches a GPU machine has run end to end.
@@ -22,7 +23,6 @@ import json
 import multiprocessing
 import os
 import socket
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -165,8 +165,9 @@ def functional(base: str, metrics_port: int, log: Log) -> list[str]:
                     chunks.append(json.loads(line[6:]))
         if len(chunks) < 2 or chunks[-1].get("usage", {}).get("completion_tokens", 0) < 1:
             failures.append(f"stream: {len(chunks)} chunks, the last {chunks[-1:]}")
-        structured = client.post("/v1/chat/completions", headers=auth, json=dict(
-            chat, max_tokens=64, response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}))
+        schema = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}
+        structured = client.post("/v1/chat/completions", headers=auth,
+                                 json=dict(chat, max_tokens=64, response_format=schema))
         try:
             jsonschema.validate(json.loads(structured.json()["choices"][0]["message"]["content"]), SCHEMA)
         except Exception as error:  # any way it fails is the failure
@@ -230,23 +231,17 @@ async def _load(base: str, load: Load) -> tuple[list, list, float]:
 
 def serve_load(base: str, load: Load, log: Log) -> dict:
     """`concurrency` clients, each sending its next streamed chat as soon as the last ends, for `seconds`."""
+    from loadtest.report import percentiles
+
     rows, errors, wall = asyncio.run(_load(base, load))
-    ttft = sorted(first - start for start, first, _, _ in rows)
-    e2e = sorted(end - start for start, _, end, _ in rows)
     tokens = sum(row[3] for row in rows)
     result = {"concurrency": load.concurrency, "requests": len(rows), "errors": len(errors),
               "error_samples": errors[:5], "tokens": tokens, "seconds": round(wall, 2),
               "tok_s": round(tokens / wall, 1), "short": sum(row[3] != load.max_tokens for row in rows),
-              "ttft_s": _quantiles(ttft), "e2e_s": _quantiles(e2e)}
+              "ttft_s": percentiles([first - start for start, first, _, _ in rows]),
+              "e2e_s": percentiles([end - start for start, _, end, _ in rows])}
     log(f"served load: {result}")
     return result
-
-
-def _quantiles(values: list[float]) -> dict:
-    if len(values) < 2:
-        return {"p50": values[0] if values else None, "p95": values[0] if values else None}
-    cuts = statistics.quantiles(values, n=20)
-    return {"p50": round(statistics.median(values), 3), "p95": round(cuts[18], 3)}
 
 
 @cli.command()
@@ -269,8 +264,9 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu for toy sizes"),
     log(f"random model at {path}")
     args = app_args(path, device, load)
     report["app_args"] = args
-    queue = multiprocessing.get_context("spawn").Queue()  # the engine's GPU memory is the replica's once it exits
-    child = multiprocessing.get_context("spawn").Process(target=engine_alone, args=(args, load, queue))
+    spawn = multiprocessing.get_context("spawn")  # the engine's GPU memory is the replica's once its process exits
+    queue = spawn.Queue()
+    child = spawn.Process(target=engine_alone, args=(args, load, queue))
     child.start()
     report["engine_alone"] = _result_of(child, queue)
     log(f"engine alone: {report['engine_alone']}")

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_serve_check_runs_end_to_end_on_cpu(tmp_path):
-    run = subprocess.run([sys.executable, "benchmarks/gpu_serve_check.py", "--device", "cpu", "--out", str(tmp_path),
-                          "--model-dir", str(tmp_path / "model")], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    command = [sys.executable, "benchmarks/gpu_serve_check.py", "--device", "cpu", "--out", str(tmp_path),
+               "--model-dir", str(tmp_path / "model")]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
     report = json.loads((tmp_path / "gpu_serve_check.json").read_text())
     assert run.returncode == 0 and report["failures"] == [], report["failures"] or run.stdout[-3000:]
     args = report["app_args"]
