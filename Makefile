@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-check gpu-serve-check gpu-wheels min-versions setup model serve stop test test-fast bench bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: gpu-check gpu-serve-check gpu-wheels min-versions setup model serve stop test test-all test-fast bench bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -35,7 +35,12 @@ stop:
 	-$(RAY) stop
 	-pkill -f "[s]erve run --address auto serve_app/config.yaml"  # a detached one would keep reconnecting, burning CPU
 
+# CI's suite: everything but the `long` scenarios (multi-node cluster, the split app's echo attack, the compiled
+# decoder), which `make test-all` adds
 test: model prometheus
+	$(PY) -m pytest -q -rs --durations=20 -m "not long"
+
+test-all: model prometheus
 	$(PY) -m pytest -q -rs --durations=20
 
 test-fast: model
@@ -50,7 +55,8 @@ bench: model
 # runs the NF4/int8 cases on CUDA. GPU_SERVE_WHEELS is what Ray Serve needs there beyond the image (found by running
 # gpu-serve-check in a venv of the image's packages); protobuf travels too, as the generated code of grpcio-reflection
 # and opentelemetry-proto needs this one. benchmarks/gpu_wheels.py drops what never loads there (Ray's Java jar, the
-# CUDA 11/12 and ROCm builds of bitsandbytes): the tree and the wheels stay under 64 MiB (tests/benchmarks).
+# CUDA 11/12 and ROCm builds of bitsandbytes) and fails if the tree and the wheels reach 64 MiB (make test checks the
+# tree against what the wheels need, without downloading them).
 GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection msgspec pyzmq llguidance bitsandbytes
 GPU_SERVE_WHEELS := ray fastapi starlette uvicorn httptools jsonschema jsonschema-specifications referencing rpds-py \
 	protobuf grpcio-reflection aiohttp-cors opencensus opencensus-context google-api-core googleapis-common-protos \

@@ -7,14 +7,22 @@ binaries, Serve, the dashboard agent's Python (it hosts the metrics agent), with
 Members are recompressed with deflate (12 s for all); LZMA, which pip also reads, would take Ray's wheel from 38 to
 about 30 MiB at about a minute more, the next step if the tree outgrows the copy.
 
+It then checks the fit: the wheels within WHEELS_BUDGET, and with every file git would send, under the 64 MiB copy
+(`make test` checks the tree's side without downloading: the tree within what the budget leaves).
+
     python benchmarks/gpu_wheels.py .whl
 """
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE_COPY_LIMIT = 64 << 20
+WHEELS_BUDGET = 57 << 20  # 55.4 MiB on 2026-11-28 (33 wheels); the tree (5.2 MiB then) gets the rest
 
 DROP = {  # distribution -> the paths inside its wheel that never load on the GPU machine
     "ray": re.compile(r"^ray/(jars|rllib|data|tune|train|air|llm)/|^ray/dashboard/client/build/|\.js\.map$"),
@@ -42,12 +50,33 @@ def slim(wheel: Path, drop: re.Pattern) -> tuple[int, int]:
     return before, wheel.stat().st_size
 
 
+def tree_bytes(root: Path = ROOT) -> int:
+    """Every file the device copy takes: tracked and untracked, not ignored."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    return sum((root / f).stat().st_size for f in files if (root / f).is_file())
+
+
+def misfit(wheels: int, tree: int) -> str | None:
+    """Why the wheels and the tree would not travel together, or None."""
+    if wheels > WHEELS_BUDGET:
+        return f"the wheels take {wheels / 2**20:.1f} MiB, over their budget of {WHEELS_BUDGET / 2**20:.0f}"
+    if wheels + tree >= DEVICE_COPY_LIMIT:
+        return f"the tree {tree / 2**20:.1f} MiB + the wheels {wheels / 2**20:.1f} MiB reach the 64 MiB copy"
+    return None
+
+
 def main(folder: str) -> None:
     for wheel in sorted(Path(folder).glob("*.whl")):
         drop = DROP.get(wheel.name.split("-")[0].lower())
         if drop is not None:
             before, after = slim(wheel, drop)
             print(f"{wheel.name}: {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    wheels, tree = sum(p.stat().st_size for p in Path(folder).glob("*.whl")), tree_bytes()
+    print(f"tree {tree / 2**20:.1f} MiB + wheels {wheels / 2**20:.1f} MiB of the 64 MiB copy")
+    problem = misfit(wheels, tree)
+    if problem:
+        sys.exit(problem)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # `make test-all`: 3-6 minutes of 2 cores
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 

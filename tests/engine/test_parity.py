@@ -99,6 +99,7 @@ def test_greedy_output_matches_hf_at_every_position(models, tokenizer, model, ba
     assert exact >= len(prompts) * NEW_TOKENS - 2, f"{exact} exact positions: near-ties should be rare"
 
 
+@pytest.mark.long  # inductor's compile, 30 s for both; `compile` is off by default (BENCHMARKS.md, ninth session)
 @pytest.mark.skipif(not have_compiler(), reason="no C++ compiler: inductor's CPU code is C++")
 @pytest.mark.parametrize("model", ["llama-hd80", "qwen2-hd128"])
 def test_compiled_decoder_matches_hf(models, tokenizer, model, monkeypatch):
