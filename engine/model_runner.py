@@ -5,15 +5,18 @@ import logging
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import ask_huge_pages, to_device
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillChunk
-from engine.models import Model
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_stats import PhaseTimer
+
+if TYPE_CHECKING:
+    from engine.models import Model
 
 log = logging.getLogger(__name__)
 

@@ -45,10 +45,8 @@ class _Grammars:
         return self._ll_tokenizer is not None
 
     def warm_up(self) -> None:
-        """Build llguidance's view of the tokenizer (about a second, much of it holding the interpreter lock) and
-        import its torch helpers (0.2 s), so that no request pays for them in a step while others wait."""
-        import llguidance.torch  # noqa: F401
-
+        """Build llguidance's view of the tokenizer (about a second, much of it holding the interpreter lock), so
+        that no request pays for it in a step while others wait."""
         self._tokenizer()
 
     def _cached(self, key: str):
@@ -141,11 +139,11 @@ def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> Gra
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return None
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
-    bitmask = allocate_token_bitmask(len(rows), vocab_size)
+    # llguidance.torch's two helpers, inline: importing that module compiles its mask kernel with torch.compile,
+    # which imports dynamo and inductor (2.4 s at every core start with torch 2.13) for code the engine never calls
+    bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for j, row in enumerate(rows):
-        fill_next_token_bitmask(matchers[row], bitmask, j)
+        matchers[row].unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * bitmask.element_size())
     if device.type != "cpu":  # the packed words cross to the device (32x smaller than the mask), unpacked there
         bitmask = bitmask.pin_memory().to(device, non_blocking=True)
     bits = (bitmask[:, :, None] >> BITS.to(device, non_blocking=True)) & 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig
@@ -11,7 +12,6 @@ from transformers import GenerationConfig
 from engine.config import EngineConfig
 from engine.cpu_kernels import fused_ops
 from engine.layers.rotary import STATIC_ROPE_TYPES, rope_type
-from engine.models.hf import HFCausalLM, load_hf_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.gguf import read_tensors as gguf_tensors
 from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, cpu_has_bf16, embedded_checkpoint,
@@ -20,10 +20,14 @@ from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
-NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM}
-Model = LlamaForCausalLM | HFCausalLM
+if TYPE_CHECKING:  # the fallback is imported where it runs: transformers' PreTrainedModel takes 2.3 s to import
+    from engine.models.hf import HFCausalLM
 
-__all__ = ["load_model", "Model", "NATIVE", "native_unsupported", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
+    Model = LlamaForCausalLM | HFCausalLM
+
+NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM}
+
+__all__ = ["load_model", "NATIVE", "native_unsupported", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
            "embedded_gguf_path", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
 
 
@@ -57,6 +61,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"model_impl native cannot run {config.model}: {reason}")
     else:
         log.info("using transformers' modeling code for %s (%s)", config.model, reason)
+        from engine.models.hf import load_hf_model
+
         model = load_hf_model(path, dtype, device, quantization_config(config.quantization, dtype), config.trust_remote_code)
     model.generation_config = _generation_config(path)
     return model
