@@ -107,7 +107,7 @@ async def ramp(base: str, short_s: float, long_s: float, quiet_s: float) -> tupl
 def run_policy(policy: str, short_s: float, long_s: float, quiet_s: float, threads: int | None) -> dict:
     from ray import serve
 
-    from loadtest.run import wait_healthy
+    from loadtest.loopback import wait_healthy
     from serve_app.app import build_app
 
     serve.run(build_app(app_args(policy, threads)), name="ramp", route_prefix="/ramp", blocking=False)

@@ -57,7 +57,7 @@ def auth() -> dict:
 async def cycle(base: str, args: dict) -> dict:
     from ray import serve
 
-    from loadtest.run import wait_healthy
+    from loadtest.loopback import wait_healthy
     from serve_app.app import build_app
 
     serve.run(build_app(args), name="drain", route_prefix="/drain", blocking=False)

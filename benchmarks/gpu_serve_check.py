@@ -22,7 +22,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -114,18 +113,12 @@ def _result_of(child, queue, timeout_s: float = 600) -> dict:
     raise TimeoutError(f"the engine-alone process gave no result in {timeout_s} s")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_app(args: dict, device: str) -> tuple[str, int]:
     """A local Ray and the app; its base URL (healthy) and Ray's metrics port."""
     import ray
     from ray import serve
 
-    from loadtest.run import wait_healthy
+    from loadtest.loopback import free_port, wait_healthy
     from serve_app.app import build_app
     from serve_app.ray_env import setdefault_ray_env
 

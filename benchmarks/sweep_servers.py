@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from engine.host_memory import with_huge_page_heap  # noqa: E402
 from engine.models import embedded_checkpoint  # noqa: E402
 from engine.models.loader import resolve_dtype  # noqa: E402
-from loadtest.run import wait_healthy  # noqa: E402
+from loadtest.loopback import wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

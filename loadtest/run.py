@@ -17,13 +17,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx
 import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from loadtest.loopback import wait_healthy
 from loadtest.report import plot_run, plot_sweep, summarize
 from serve_app.ray_env import ray_env, start_local_ray
 
@@ -90,24 +90,6 @@ def embedded_app(port: int = 8000, throughput: bool = True, args: dict | None = 
             proc.wait(60)
             if started_ray:
                 subprocess.run([str(BIN / "ray"), "stop"], capture_output=True)
-
-
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, what: str = "the server") -> None:
-    """Poll /health until it answers 200; give up at the timeout, or at once if the server's process has exited."""
-    deadline = time.monotonic() + timeout
-    with tqdm(desc=f"waiting for {what}", bar_format="{desc}: {elapsed}") as bar:
-        while not _healthy(url):
-            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
-                raise RuntimeError(f"{what} at {url} did not become healthy")
-            time.sleep(2)
-            bar.update()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def print_summary(s: dict) -> None:

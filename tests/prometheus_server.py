@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.serve.conftest import free_port
+from loadtest.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

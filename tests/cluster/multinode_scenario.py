@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import json
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
+from loadtest.loopback import free_port
 from serve_app.app import build_app
 from serve_app.ray_env import setdefault_ray_env
 
@@ -36,12 +36,6 @@ DEADLINE_S = 600  # inside the test's own limit, so the cluster is always shut d
 HAPROXY = os.environ.get("LLM_TEST_CLUSTER_HAPROXY") == "1"
 PROXY_CLASS = "HAProxyManager" if HAPROXY else "ProxyActor"
 BODY = {"prompt": "Count from one to one hundred:", "max_tokens": 24, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def running_replicas(app: str = "llm") -> int:

@@ -22,12 +22,19 @@ def block_linears(llm: LLM) -> list[Linear]:
     return [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.blocks is not None]
 
 
-def test_every_matmul_on_blocks_matches_hf_on_the_dequantized_weights(tokenizer):
-    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=256)
+@pytest.fixture(scope="module")
+def gguf32():
+    """One fp32 engine on the blocks for the module (a GGUF load is ~10 s: the reader, then the crossover timed);
+    no prefix caching, so that no test reads KV another computed."""
+    return LLM(dtype="float32", quantization="gguf", num_kv_blocks=256, enable_prefix_caching=False)
+
+
+def test_every_matmul_on_blocks_matches_hf_on_the_dequantized_weights(gguf32, tokenizer, monkeypatch):
+    llm = gguf32
     linears = block_linears(llm)
     assert len(linears) == 30 * 4 + 1  # merged qkv, o, merged gate/up, down per layer; the tied Q8_0 LM head
     for module in linears:
-        module.block_rows = 1 << 30  # the block kernel at every batch size, prefill chunks included
+        monkeypatch.setattr(module, "block_rows", 1 << 30)  # the block kernel at every batch size, prefill chunks too
     prompts = varied_prompts(tokenizer)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0),
                            use_tqdm=False)
@@ -37,8 +44,8 @@ def test_every_matmul_on_blocks_matches_hf_on_the_dequantized_weights(tokenizer)
     assert exact >= len(prompts) * NEW_TOKENS - 2
 
 
-def test_the_served_mix_of_blocks_and_dense_agrees_with_the_dense_fp32_path(llm32, tokenizer):
-    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=256)
+def test_the_served_mix_of_blocks_and_dense_agrees_with_the_dense_fp32_path(gguf32, llm32, tokenizer):
+    llm = gguf32
     rows = llm.engine.model.block_rows()
     assert rows["layers"] >= 1 and rows["lm_head"] >= 1, f"blocks never win on this CPU? {rows}"
     prompts = varied_prompts(tokenizer)[:12]
@@ -73,12 +80,11 @@ def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, 
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, f"prompt {i}"
 
 
-def test_weight_bytes_report_the_blocks_and_the_dense_copies():
-    llm = LLM(dtype="float32", quantization="gguf", num_kv_blocks=64)
-    model = llm.engine.model
-    blocks = sum(m.blocks.nbytes for m in block_linears(llm))
+def test_weight_bytes_report_the_blocks_and_the_dense_copies(gguf32, llm32):
+    model = gguf32.engine.model
+    blocks = sum(m.blocks.nbytes for m in block_linears(gguf32))
     assert 80e6 < blocks < 130e6  # 4.5 bits per layer weight plus fp32 scales, 8.5 per head weight
-    dense_only = LLM(dtype="float32", num_kv_blocks=64).engine.model.weight_bytes()
+    dense_only = llm32.engine.model.weight_bytes()
     assert model.weight_bytes() == dense_only + blocks
 
 

@@ -115,7 +115,7 @@ def test_every_contract_metric_is_exported_with_model_name():
 
 
 def test_standalone_sink_serves_on_loopback():
-    from tests.serve.conftest import free_port
+    from loadtest.loopback import free_port
 
     sink = PrometheusSink()
     StepMetrics(sink, "m").flush(idle_stats(num_steps=1), 0)
@@ -140,7 +140,7 @@ def test_a_real_prometheus_reads_the_end_to_end_p95_within_5_percent_near_the_sl
     the exact p95 of the same latencies (what Locust reports). The old buckets are scraped beside them and must miss."""
     from prometheus_client import Histogram, start_http_server
 
-    from tests.serve.conftest import free_port
+    from loadtest.loopback import free_port
 
     sink = PrometheusSink()
     coarse = Histogram("coarse_e2e_seconds", "the old buckets", ["model_name"], buckets=COARSE_E2E_BUCKETS, registry=sink.registry)

@@ -135,10 +135,11 @@ def repetitive_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device,backend", on(("cpu", "triton"), ("cpu", "torch")))
+@pytest.mark.parametrize("device,backend", on(("cpu", "torch")))
 def test_speculative_decoding_changes_no_token(tmp_path_factory, tokenizer, device, backend):
-    """Verification rows run as prefill chunks over the cached context: the Triton prefill kernel with drafts. A
-    model of small random weights loops, so drafts are accepted as well as rejected."""
+    """Verification rows run as prefill chunks over the cached context: the Triton prefill kernel with drafts on
+    CUDA (on CPU its interpreter took 14 s here for the shapes chunked prefill gives it above). A model of small
+    random weights loops, so drafts are accepted as well as rejected."""
     path = tiny_checkpoint(tmp_path_factory.mktemp("looping"), "qwen2-hd128", initializer_range=0.02)
     prompts = repetitive_prompts(tokenizer)
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -1,21 +1,15 @@
 """One local Ray cluster and one Serve app for the whole session, on loopback, torn down whatever happens."""
 import contextlib
 import os
-import socket
 import time
 
-import httpx
 import pytest
+
+from loadtest.loopback import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key-123"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +48,7 @@ def serve_app():
                     api_key=API_KEY, request_timeout_s=180, retry_after_s=1, sse_keepalive_s=0.5, body_timeout_s=3)
         serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(base)
+        wait_healthy(base, 300)
         yield {"base_url": base, "api_key": API_KEY, "args": args, "metrics_port": metrics_port,
                "header_timeout_s": header_timeout_s}
     finally:
@@ -62,18 +56,6 @@ def serve_app():
             serve.shutdown()
         finally:
             ray.shutdown()
-
-
-def wait_healthy(base: str, timeout: float = 300) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{base}/health never became healthy")
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +106,7 @@ def whole_app(serve_app, name: str, **changes):
     serve.run(build_app({**serve_app["args"], **changes}), name=name, route_prefix=f"/{name}", blocking=False)
     try:
         base = serve_app["base_url"] + f"/{name}"
-        wait_healthy(base)
+        wait_healthy(base, 300)
         yield base
     finally:
         serve.delete(name)
@@ -144,7 +126,7 @@ def ingress_only_app(serve_app, replica_handle, name: str, **changes):
     serve.run(ingress.bind(replica_handle, args), name=name, route_prefix=f"/{name}", blocking=False)
     try:
         base = serve_app["base_url"] + f"/{name}"
-        wait_healthy(base, timeout=60)
+        wait_healthy(base, 60)
         yield base
     finally:
         serve.delete(name)

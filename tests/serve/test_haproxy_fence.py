@@ -13,7 +13,7 @@ from ray.serve.config import HTTPOptions
 
 from serve_app.haproxy_fence import ERRORS, bundled_haproxy, fence
 from serve_app.ray_env import HAPROXY_FENCE
-from tests.serve.conftest import free_port
+from loadtest.loopback import free_port
 from tests.serve.test_hostile_input import seconds_until_the_server_hangs_up
 
 HEADER_TIMEOUT_S = 2.0

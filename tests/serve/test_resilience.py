@@ -11,7 +11,7 @@ import pytest
 
 from serve_app.protocol import ReplicaStats
 from tests.conftest import nproc
-from tests.serve.conftest import wait_healthy
+from loadtest.loopback import wait_healthy
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.conftest import wait_healthy
+from loadtest.loopback import wait_healthy
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def drain_app(serve_app):
     args = {**serve_app["args"], "engine_config": {**serve_app["args"]["engine_config"], "dtype": "auto"}, "graceful_shutdown_timeout_s": 60}
     serve.run(build_app(args), name="drain", route_prefix="/drain", blocking=False)
     base = serve_app["base_url"] + "/drain"
-    wait_healthy(base)
+    wait_healthy(base, 300)
     yield base
     if "drain" in serve.status().applications:
         serve.delete("drain")
