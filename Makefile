@@ -35,8 +35,8 @@ stop:
 	-$(RAY) stop
 	-pkill -f "[s]erve run --address auto serve_app/config.yaml"  # a detached one would keep reconnecting, burning CPU
 
-# CI's suite: everything but the `long` scenarios (multi-node cluster, the split app's echo attack, the compiled
-# decoder), which `make test-all` adds
+# CI's suite: everything but the `long` scenarios (the multi-node cluster, the split app's echo attack, the compiled
+# decoder, gpu-serve-check's CPU rehearsal), which `make test-all` adds
 test: model prometheus
 	$(PY) -m pytest -q -rs --durations=20 -m "not long"
 

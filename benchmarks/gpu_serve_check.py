@@ -12,7 +12,7 @@ of the engine on the device, deployed from `serve_app/config.gpu.yaml`'s args, i
    alone.
 
 Writes `gpu_serve_check.json` and `gpu_serve_check.log` under --out; exits non-zero on any failed check. `--device
-cpu` runs the same code at toy sizes (`make test` does), so what reaches a GPU machine has run end to end.
+cpu` runs the same code at toy sizes (`make test-all` does), so what reaches a GPU machine has run end to end.
 
     python benchmarks/gpu_serve_check.py --out benchmarks/results/gpu-serve-check
 """

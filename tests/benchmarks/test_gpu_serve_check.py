@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # 40-60 s; run it (make test-all) before the GPU machine does
 ROOT = Path(__file__).resolve().parents[2]
 
 
