@@ -73,7 +73,7 @@ def load_native(path: str, hf_config, config: EngineConfig, device: torch.device
     with _default_dtype(dtype), torch.device(device):
         model = NATIVE[hf_config.architectures[0]](hf_config, max_position)
     if config.quantization == "gguf":
-        model.load_weights(gguf_tensors(gguf_path(config), hf_config))
+        model.load_weights(gguf_tensors(gguf_path(config), hf_config, cache_root()))
     else:
         model.load_weights(checkpoint_tensors(checkpoint_dir(path)))
     if config.quantization in ("nf4", "int8"):

@@ -8,6 +8,7 @@ j + 16 in its high one. Q4_0 is kept as Q4_1 with m = -8d, which is exact.
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Iterator
@@ -16,6 +17,9 @@ import numpy as np
 import torch
 
 from engine.layers.quantized import BLOCK, QUANT_BYTES, BlockWeight
+from engine.models import gguf_cache
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 
@@ -37,8 +41,23 @@ def hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name} has no place in a Llama-family model")
 
 
-def read_tensors(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
-    """(HF name, dense tensor or BlockWeight) for every tensor of a Llama or Qwen2 GGUF file."""
+def read_tensors(path: Path, hf_config, cache: Path | None = None) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
+    """(HF name, dense tensor or BlockWeight) for every tensor of a Llama or Qwen2 GGUF file; with a `cache`
+    folder, from the copy kept there after the first read (`gguf_cache.py`)."""
+    if cache is None:
+        return _read(path, hf_config)
+    kept = gguf_cache.kept_path(path, cache)
+    if kept.is_file():
+        return gguf_cache.load(kept)
+    tensors = list(_read(path, hf_config))
+    try:
+        gguf_cache.keep(kept, tensors)
+    except OSError as exc:  # a read-only cache costs the next start the reader's time, nothing else
+        log.warning("could not keep the tensors of %s in %s: %s", path.name, kept.parent, exc)
+    return iter(tensors)
+
+
+def _read(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))

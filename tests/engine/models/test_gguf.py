@@ -1,6 +1,7 @@
 """GGUF weights kept in their blocks: read exactly (the embedded Q4_1 file against its converted checkpoint; each
 block type against the `gguf` library's own dequantizer), refused by name where unsupported, and the block kernels
 against the dequantized fp32 matmul. Greedy output on the blocks is in tests/engine/test_gguf_generation.py."""
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import gguf
@@ -50,6 +51,35 @@ def test_each_block_type_reads_as_the_gguf_library_dequantizes_it(tmp_path, kind
                                       getattr(gguf.GGMLQuantizationType, kind))
     dense = tensor.dequantize() if isinstance(tensor, BlockWeight) else tensor
     assert torch.equal(dense, torch.from_numpy(expected.astype(np.float32)))
+
+
+def test_a_kept_copy_reads_as_the_file_did_and_a_changed_file_is_read_again(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    path = write_gguf(tmp_path / "m.gguf", {
+        "blk.0.attn_norm.weight": (rng.standard_normal(64).astype(np.float32), "F32"),
+        "blk.0.ffn_gate.weight": (rng.standard_normal((8, 64)).astype(np.float32), "Q4_0"),
+        "blk.0.ffn_up.weight": (rng.standard_normal((8, 64)).astype(np.float32), "Q4_1"),
+        "blk.0.ffn_down.weight": (rng.standard_normal((64, 8 * 32)).astype(np.float32), "Q8_0")})
+    cache = tmp_path / "cache"
+    first = list(read_tensors(path, None, cache))
+    assert len(list(cache.rglob("*.safetensors"))) == 1
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    kept = list(read_tensors(path, None, cache))
+    assert [name for name, _ in kept] == [name for name, _ in first]
+    for (name, a), (_, b) in zip(first, kept):
+        if isinstance(a, BlockWeight):
+            assert a.kind == b.kind and torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), name
+            assert (a.mins is None and b.mins is None) or torch.equal(a.mins, b.mins), name
+        else:
+            assert torch.equal(a, b), name
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(AssertionError, match="parsed again"):
+        list(read_tensors(path, None, cache))
 
 
 def test_an_unsupported_tensor_type_is_refused_by_name(tmp_path):
