@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.layers.quantized import BLOCK, QUANT_BYTES, BlockWeight
-from engine.models import gguf_cache
+from engine.models.gguf_cache import keep, kept_path, load_kept
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,12 @@ def read_tensors(path: Path, hf_config, cache: Path | None = None) -> Iterator[t
     folder, from the copy kept there after the first read (`gguf_cache.py`)."""
     if cache is None:
         return _read(path, hf_config)
-    kept = gguf_cache.kept_path(path, cache)
+    kept = kept_path(path, cache)
     if kept.is_file():
-        return gguf_cache.load(kept)
+        return load_kept(kept)
     tensors = list(_read(path, hf_config))
     try:
-        gguf_cache.keep(kept, tensors)
+        keep(kept, tensors)
     except OSError as exc:  # a read-only cache costs the next start the reader's time, nothing else
         log.warning("could not keep the tensors of %s in %s: %s", path.name, kept.parent, exc)
     return iter(tensors)

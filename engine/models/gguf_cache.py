@@ -51,7 +51,7 @@ def keep(path: Path, tensors: Tensors) -> None:
             os.unlink(staging)
 
 
-def load(path: Path) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
+def load_kept(path: Path) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
     with safe_open(str(path), framework="pt") as kept:
         metadata = kept.metadata()
         kinds = json.loads(metadata["kinds"])
