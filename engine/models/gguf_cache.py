@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import tempfile
 from pathlib import Path
@@ -18,7 +17,6 @@ from safetensors.torch import save_file
 
 from engine.layers.quantized import BlockWeight
 
-log = logging.getLogger(__name__)
 FORMAT = 1  # raise when what read_tensors yields changes
 Tensors = list[tuple[str, "torch.Tensor | BlockWeight"]]
 
