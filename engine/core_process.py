@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
+import torch
 import zmq
 
 from engine.config import EngineConfig
@@ -28,9 +29,6 @@ from engine.step_stats import freeze_gc_heap
 log = logging.getLogger("engine.core")
 IDLE_POLL_MS = 500
 COMPILE_POLL_MS = 5  # how often an otherwise idle loop looks for a finished grammar
-# nice 19 starved compiles under steady decoding (CFS gives it 1.5% of a busy core: 24 new schemas beside one stream
-# took over 60 s on a 2-core Zen 4); at 5 they took 10-12 s there, the stream's longest gap 0.4-0.6 s (0.77 s at 0)
-COMPILE_NICENESS = 5
 
 
 def main() -> int:
@@ -88,8 +86,8 @@ class CoreLoop:
         self.metrics_sink: RecordingSink | None = None
         # Grammars compile on a thread of their own: a request whose grammar is new waits there, not in a step, so
         # a client sending a new schema each time stalls no one else's decoding (as vLLM's requests wait for their
-        # FSM). llguidance drops the interpreter lock while it compiles.
-        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile", initializer=_lower_priority)
+        # FSM). llguidance drops the interpreter lock while it compiles, and steps leave it a core (_share_cores).
+        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self.compiling: list[tuple[EngineRequest, Future]] = []
 
     def run(self) -> None:
@@ -100,6 +98,7 @@ class CoreLoop:
                     return
                 self._apply(message)
             self._admit_compiled()
+            self._share_cores()
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
             self._send([*self.refused, *outputs])
             self.refused = []
@@ -140,6 +139,17 @@ class CoreLoop:
             self.compiling.remove((request, compiled))
             self._add(request)  # a grammar that failed to compile fails again here, as this request's refusal
 
+    def _share_cores(self) -> None:
+        """On a CPU, steps leave one core to a running compile. Sharing one would slow the step far more than the
+        core it gives up: its OpenMP threads split each op evenly and wait for the slowest at every barrier (one
+        decode beside 24 compiles here: 28 ms a step alone, 31 ms median but 150-290 ms at p90/max sharing, 44-46 ms
+        median and 55 ms max on one core fewer; BENCHMARKS.md)."""
+        if self.engine.device.type != "cpu" or self.loop_threads < 2:
+            return
+        threads = self.loop_threads - 1 if self.compiling else self.loop_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # under a microsecond; OpenMP keeps its pool
+
     def _add(self, request: EngineRequest) -> None:
         try:
             self.engine.add_request(request)
@@ -156,15 +166,6 @@ class CoreLoop:
     def _send(self, outputs: list[CoreOutput]) -> None:
         updates = self.metrics_sink.take() if self.metrics_sink is not None else []
         self.outputs.send(self.encoder.encode(CoreOutputs(outputs, self.stats(), updates)))
-
-
-def _lower_priority() -> None:
-    """COMPILE_NICENESS for the calling thread (Linux nices threads one by one): a compile must not take a core from
-    the step's OpenMP threads, where one preempted thread holds up all the others at the next barrier."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
-    except (AttributeError, OSError):
-        pass
 
 
 if __name__ == "__main__":
