@@ -78,7 +78,7 @@ def load_native(path: str, hf_config, config: EngineConfig, device: torch.device
         model.load_weights(checkpoint_tensors(checkpoint_dir(path)))
     if config.quantization in ("nf4", "int8"):
         model.quantize(config.quantization, dtype)
-    model.pack()
+    model.pack(cache_root())
     if device.type == "cpu":
         model.use_fused_ops(fused_ops())
     if config.compile:

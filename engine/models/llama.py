@@ -16,8 +16,9 @@ from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.logits import LMHead
 from engine.layers.norm import RMSNorm
-from engine.layers.quantized import BlockWeight, crossover_rows
+from engine.layers.quantized import BlockWeight
 from engine.layers.rotary import RotaryEmbedding, StepRope
+from engine.models.crossover_cache import kept_crossover_rows
 
 if TYPE_CHECKING:
     from engine.models.compiled import CompiledForward
@@ -200,15 +201,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quantize(kind, dtype)
 
-    def pack(self) -> None:
-        """Pack every linear's dense weight, then measure up to how many rows its GGUF blocks (if any) are faster."""
+    def pack(self, cache: Path | None = None) -> None:
+        """Pack every linear's dense weight, then measure up to how many rows its GGUF blocks (if any) are faster
+        (kept under `cache` per CPU, see crossover_cache.py)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
             module.pack()
         dtype = self.model.embed_tokens.weight.dtype
         for group in ([m for m in linears if m.blocks is not None and m is not self.lm_head],
                       [self.lm_head] if self.lm_head.blocks is not None else []):
-            rows = crossover_rows(group, dtype) if group else 0
+            rows = kept_crossover_rows(group, dtype, cache) if group else 0
             for module in group:
                 module.block_rows = rows
 

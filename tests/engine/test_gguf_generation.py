@@ -24,7 +24,7 @@ def block_linears(llm: LLM) -> list[Linear]:
 
 @pytest.fixture(scope="module")
 def gguf32():
-    """One fp32 engine on the blocks for the module (a GGUF load is ~10 s: the reader, then the crossover timed);
+    """One fp32 engine on the blocks for the module (a first GGUF load is ~10 s: the reader, the crossover timed);
     no prefix caching, so that no test reads KV another computed."""
     return LLM(dtype="float32", quantization="gguf", num_kv_blocks=256, enable_prefix_caching=False)
 
