@@ -9,7 +9,7 @@ bits per 32-element block (at most 2^-16 of the block's largest |x|), which is w
 one, and AVX-512 on matrices that are not whole 16-row groups, match the dequantized fp32 matmul within fp32
 rounding. Past some row count oneDNN's packed dense matmul wins (`benchmarks/int4_matmul.py`: about 16 rows against
 bf16 with AMX, 3-12 against fp32 on AVX2), so a `Linear` with blocks keeps its packed dense copy too and picks by
-row count, at a crossover measured on this CPU at load.
+row count, at a crossover timed on this CPU at its first load (then kept: `engine/models/crossover_cache.py`).
 """
 from __future__ import annotations
 
