@@ -68,9 +68,19 @@ class Ingress:
         return {"status": "ok", "num_running": stats.engine.num_running, "num_waiting": stats.engine.num_waiting}
 
     async def models(self) -> dict:
+        return {"object": "list", "data": [await self.model(self.args.model_name)]}
+
+    async def model(self, model_id: str) -> dict:
+        """OpenAI's model object for the one model served (`GET /v1/models/{model}`); 404 for any other id."""
+        self._check_model(model_id)
         info = await self._info()
-        return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
-                                            "owned_by": "llm-serve", "max_model_len": info["max_model_len"]}]}
+        return {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "llm-serve",
+                "max_model_len": info["max_model_len"]}
+
+    def _check_model(self, model_id: str | None) -> None:
+        if model_id is not None and model_id != self.args.model_name:
+            raise OpenAIError(404, f"model '{model_id}' does not exist; this server serves '{self.args.model_name}'",
+                              "model", "model_not_found")
 
     # -- one request ---------------------------------------------------------------------------------
 
@@ -80,9 +90,7 @@ class Ingress:
         return self._model_info
 
     async def respond(self, body: SamplingFields, prompt, chat: bool, request: Request):
-        if body.model is not None and body.model != self.args.model_name:
-            raise OpenAIError(404, f"model '{body.model}' does not exist; this server serves '{self.args.model_name}'",
-                              "model", "model_not_found")
+        self._check_model(body.model)
         if body.n > self.args.max_n:
             raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
         request_id = request.state.request_id
@@ -315,6 +323,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.get("/v1/models")
     async def models():
         return await ingress.models()
+
+    @api.get("/v1/models/{model:path}")  # a path: Hugging Face ids have a slash
+    async def model(model: str):
+        return await ingress.model(model)
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

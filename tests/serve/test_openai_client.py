@@ -36,6 +36,15 @@ def test_models_lists_the_served_model_with_its_context(client):
     assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 8192
 
 
+def test_retrieving_the_served_model_gives_its_object_and_any_other_id_a_404_naming_it(client):
+    assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
+    for other in ("gpt-4o", "HuggingFaceTB/SmolLM2-135M-Instruct"):  # a Hugging Face id, slash and all
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.models.retrieve(other)
+        error = refused.value.body
+        assert error["code"] == "model_not_found" and error["param"] == "model" and other in error["message"]
+
+
 def test_chat_completion_with_usage_matching_the_tokenizer(client, offline):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
