@@ -18,8 +18,9 @@ from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
 from engine.step_stats import freeze_gc_heap
-from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from serve_app.protocol import Admitted, GenerationJob, Refused
+from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                                      TokenizeRequest)
+from serve_app.protocol import Admitted, GenerationJob, Refused, Tokens
 from serve_app.replica_client import RemoteReplica, ReplicaClient
 from serve_app.responses import Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse, usage
 from serve_app.security import Guard, exposure_problem
@@ -81,6 +82,24 @@ class Ingress:
         if model_id is not None and model_id != self.args.model_name:
             raise OpenAIError(404, f"model '{model_id}' does not exist; this server serves '{self.args.model_name}'",
                               "model", "model_not_found")
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: the ids a completion or chat completion with this prompt would count."""
+        self._check_model(body.model)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tokens = await self._call(self.replica.tokenize(body.template_input(), tools, body.return_token_strs),
+                                  self.args.request_timeout_s)
+        self._raise_if_refused(tokens)
+        info = await self._info()
+        return {"count": len(tokens.ids), "max_model_len": info["max_model_len"], "tokens": tokens.ids,
+                "token_strs": tokens.strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids."""
+        self._check_model(body.model)
+        text = await self._call(self.replica.detokenize(body.tokens), self.args.request_timeout_s)
+        self._raise_if_refused(text)
+        return {"prompt": text}
 
     # -- one request ---------------------------------------------------------------------------------
 
@@ -178,7 +197,7 @@ class Ingress:
             stream.cancel()
             raise
 
-    def _raise_if_refused(self, admitted: Admitted | Refused) -> None:
+    def _raise_if_refused(self, admitted: Admitted | Tokens | str | Refused) -> None:
         if isinstance(admitted, Refused):
             raise OpenAIError(admitted.status, admitted.message, admitted.param, admitted.code,
                               self.args.retry_after_s if admitted.status in (429, 503) else None)
@@ -327,6 +346,14 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.get("/v1/models/{model:path}")  # a path: Hugging Face ids have a slash
     async def model(model: str):
         return await ingress.model(model)
+
+    @api.post("/tokenize")  # vLLM's, at its paths
+    async def tokenize(body: TokenizeRequest):
+        return await ingress.tokenize(body)
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await ingress.detokenize(body)
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -282,3 +282,34 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a prompt's token ids, as a completion (`prompt`) or a chat completion (`messages`,
+    with `tools` if offered, the generation prompt added) would count them in `usage.prompt_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")  # not an OpenAI route: a field this server does not know is refused
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("prompt", "give either prompt or messages", {"path": "prompt"})
+        if self.tools and self.messages is None:
+            raise PydanticCustomError("tools", "tools are offered in a chat: give messages", {"path": "tools"})
+        return self
+
+    def template_input(self) -> str | list[dict[str, Any]]:
+        return self.prompt if self.messages is None else [m.for_template() for m in self.messages]
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`: the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

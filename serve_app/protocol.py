@@ -36,6 +36,14 @@ class Refused:
 
 
 @dataclass
+class Tokens:
+    """A prompt's token ids (vLLM's /tokenize), and each one's string in the vocabulary when asked for."""
+
+    ids: list[int]
+    strs: list[str] | None = None
+
+
+@dataclass
 class TokenLogprob:
     token: str
     logprob: float | None  # None for a prompt's first token, which nothing predicts

@@ -19,7 +19,7 @@ from engine.metrics import StepMetrics
 from engine.step_stats import freeze_gc_heap
 from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
-from serve_app.protocol import Admitted, Delta, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob
+from serve_app.protocol import Admitted, Delta, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob, Tokens
 from serve_app.metrics import RaySink
 
 log = logging.getLogger("ray.serve")
@@ -152,6 +152,28 @@ class EngineReplica:
         text, raw = texts(output.prompt_token_ids[0])
         return [TokenLogprob(text, None, raw), *(_token_logprob(texts, token, entry, top)
                          for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
+
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
+        """The ids a generation with this prompt would start from (vLLM's /tokenize), on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokens, prompt, tools,
+                                                                with_strs)
+
+    def _tokens(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
+        inputs = self.frontend.inputs
+        try:
+            ids = inputs.tokenize(prompt, tools)
+        except EngineInputError as exc:
+            return Refused(400, str(exc), exc.param)
+        return Tokens(ids, inputs.tokenizer.convert_ids_to_tokens(ids) if with_strs else None)
+
+    async def detokenize(self, tokens: list[int]) -> str | Refused:
+        """The text of token ids (vLLM's /detokenize), on the tokenizer thread."""
+        vocab = self.frontend.inputs.limits.vocab_size
+        outside = next((t for t in tokens if not 0 <= t < vocab), None)
+        if outside is not None:
+            return Refused(400, f"tokens: token id {outside} is outside the vocabulary [0, {vocab})", "tokens")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                self.frontend.inputs.tokenizer.decode, tokens)
 
     def stats(self) -> ReplicaStats:
         return ReplicaStats(self.frontend.stats(), self.placement, time.time(), self.frontend.health_problem())

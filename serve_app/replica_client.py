@@ -1,5 +1,5 @@
 """How the ingress reaches an engine replica: through a Serve handle (`topology: split`, the replica a deployment of
-its own) or in its own process (`topology: colocated`). Both give the ingress the same three calls."""
+its own) or in its own process (`topology: colocated`). Both give the ingress the same calls."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.app_deletion import AppDeletion
-from serve_app.protocol import GenerationJob, ReplicaStats
+from serve_app.protocol import GenerationJob, Refused, ReplicaStats, Tokens
 
 if TYPE_CHECKING:
     from serve_app.replica import EngineReplica
@@ -28,6 +28,10 @@ class ReplicaClient(Protocol):
     async def stats(self) -> ReplicaStats: ...
 
     async def info(self) -> dict: ...
+
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused: ...
+
+    async def detokenize(self, tokens: list[int]) -> str | Refused: ...
 
     def generate(self, job: GenerationJob) -> ReplicaStream: ...
 
@@ -49,6 +53,12 @@ class RemoteReplica:
     async def info(self) -> dict:
         return await self.handle.info.remote()
 
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
+        return await self.handle.tokenize.remote(prompt, tools, with_strs)
+
+    async def detokenize(self, tokens: list[int]) -> str | Refused:
+        return await self.handle.detokenize.remote(tokens)
+
     def generate(self, job: GenerationJob) -> ReplicaStream:
         return self.handle.options(stream=True).generate.remote(job)
 
@@ -68,6 +78,12 @@ class LocalReplica:
 
     async def info(self) -> dict:
         return self.replica.info()
+
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
+        return await self.replica.tokenize(prompt, tools, with_strs)
+
+    async def detokenize(self, tokens: list[int]) -> str | Refused:
+        return await self.replica.detokenize(tokens)
 
     def generate(self, job: GenerationJob) -> ReplicaStream:
         return LocalStream(self.replica.generate(job), self._closing)
