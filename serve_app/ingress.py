@@ -21,7 +21,7 @@ from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                       TokenizeRequest)
 from serve_app.protocol import Admitted, GenerationJob, Refused, Tokens
-from serve_app.replica_client import RemoteReplica, ReplicaClient
+from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
 from serve_app.responses import Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse, usage
 from serve_app.security import Guard, exposure_problem
 
@@ -113,28 +113,33 @@ class Ingress:
         if body.n > self.args.max_n:
             raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
         request_id = request.state.request_id
-        job = _job(request_id, body, prompt, self.args)
+        prompts = body.prompts if isinstance(body, CompletionRequest) else [prompt]
+        # a batch of prompts: one job each, its choices numbered after the prompts before it (k * n + i)
+        jobs = [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args)
+                for k, p in enumerate(prompts)]
         parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
-        created = int(time.time())
+        created, n = int(time.time()), body.n
         if body.stream:
-            stream, admitted = await self._call(self._retrying_lost_replicas(lambda: self._admit(job)),
-                                                self.args.request_timeout_s)
-            self._raise_if_refused(admitted)
+            started = await self._admit_all(jobs)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            choices = [StreamedChoice(i, chat, parse_tools, admitted.prompt_text or "") for i in range(body.n)]
-            events = self._sse(stream, request_id, created, chat, choices, admitted.prompt_tokens, include_usage,
-                               self._shows_cached_tokens(body))
+            choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "")
+                       for k, (_, admitted) in enumerate(started) for i in range(n)]
+            stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
+            events = self._sse(stream, request_id, created, chat, choices, sum(a.prompt_tokens for _, a in started),
+                               include_usage, self._shows_cached_tokens(body), n)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         # a replica lost for good mid-generation surfaces from _call: a 503 in the envelope, like any handle failure
-        choices = [Choice(i, chat, parse_tools) for i in range(body.n)]
-        admitted, cached_tokens = await self._call(
-            self._retrying_lost_replicas(lambda: self._generate_whole(job, choices)), self.args.request_timeout_s)
-        for choice in choices:
-            choice.prefix = admitted.prompt_text or ""
+        groups = [[Choice(k * n + i, chat, parse_tools) for i in range(n)] for k in range(len(jobs))]
+        results = await _all([self._call(self._retrying_lost_replicas(lambda job=job, group=group: self._generate_whole(job, group)),
+                                         self.args.request_timeout_s) for job, group in zip(jobs, groups)])
+        for group, (admitted, _) in zip(groups, results):
+            for choice in group:
+                choice.prefix = admitted.prompt_text or ""
+        choices = [choice for group in groups for choice in group]
         tokens = sum(c.completion_tokens for c in choices)
-        shown = cached_tokens if self._shows_cached_tokens(body) else None
+        shown = sum(cached for _, cached in results) if self._shows_cached_tokens(body) else None
         return CompletionResponse(completion_body(request_id, self.args.model_name, choices, chat,
-                                                  usage(admitted.prompt_tokens, tokens, shown), created))
+                                                  usage(sum(a.prompt_tokens for a, _ in results), tokens, shown), created))
 
     def _shows_cached_tokens(self, body) -> bool:
         """An unsalted request's cached-token count would tell its caller whether another tenant sent the same
@@ -154,6 +159,23 @@ class Ingress:
                     raise
                 log.warning("engine replica lost before any output was sent (%s); retrying elsewhere", type(exc).__name__)
                 await asyncio.sleep(ADMISSION_BACKOFF_S * 2 ** (number - 1))
+
+    async def _admit_all(self, jobs: list[GenerationJob]) -> list[tuple]:
+        """Admit every job at once: (stream, admission) each. A refusal or failure of any cancels them all and is
+        raised: a batch of prompts is answered whole or refused."""
+        tasks = [asyncio.ensure_future(self._call(self._retrying_lost_replicas(lambda job=job: self._admit(job)),
+                                                  self.args.request_timeout_s)) for job in jobs]
+        try:
+            started = await asyncio.gather(*tasks)
+            for _, admitted in started:
+                self._raise_if_refused(admitted)
+            return started
+        except BaseException:
+            for task in tasks:
+                task.cancel()  # those still admitting cancel their own stream (_admit)
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[0].cancel()
+            raise
 
     async def _admit(self, job: GenerationJob):
         """Start a generation: the stream and the replica's admission result (its first message)."""
@@ -203,25 +225,30 @@ class Ingress:
                               self.args.retry_after_s if admitted.status in (429, 503) else None)
 
     async def _sse(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
-                   prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool):
-        model, tokens, cached_tokens = self.args.model_name, [0] * len(choices), 0
+                   prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool, n: int = 1):
+        model, tokens = self.args.model_name, [0] * len(choices)
+        cached = [0] * (len(choices) // n)  # each prompt's cached tokens, as its first choice reports them
         deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
         try:
             async for delta in _with_keep_alive(stream, self.args.sse_keepalive_s, deadline):
                 if delta is None:
                     yield KEEP_ALIVE
                     continue
+                job, delta = delta if isinstance(delta, tuple) else (0, delta)  # MergedStreams says whose
                 if delta.error:
                     raise GenerationError(delta.error)
-                tokens[delta.index], cached_tokens = delta.completion_tokens, delta.cached_tokens
+                first = job * n
+                tokens[first + delta.index] = delta.completion_tokens
+                if delta.index == 0:
+                    cached[job] = delta.cached_tokens
                 if delta.prompt_logprobs is not None:
-                    for choice in choices:
+                    for choice in choices[first:first + n]:
                         choice.score_prompt(delta.prompt_logprobs)
-                for choice in choices[delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs):
+                for choice in choices[first + delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs):
                     yield sse(chunk_body(request_id, model, [choice], chat, created))
             if include_usage:
                 final = chunk_body(request_id, model, [], chat, created)
-                final["usage"] = usage(prompt_tokens, sum(tokens), cached_tokens if shows_cached_tokens else None)
+                final["usage"] = usage(prompt_tokens, sum(tokens), sum(cached) if shows_cached_tokens else None)
                 yield sse(final)
         except Exception as exc:  # headers are gone: report in-band, then end the stream properly
             yield sse(_stream_error(exc, request_id))
@@ -289,6 +316,17 @@ async def _with_keep_alive(stream, interval_s: float, deadline: float):
     finally:
         if pending is not None:
             pending.cancel()
+
+
+async def _all(awaitables: list) -> list:
+    """Every awaitable's result, run together; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> GenerationJob:

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, StructuredOutput
 
 MAX_TOOLS = 128  # OpenAI's own bound
+MAX_PROMPTS = 64  # a completion's batch of prompts; each prompt's n choices are engine requests of their own
 
 
 class StreamOptions(BaseModel):
@@ -128,7 +129,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    # one prompt (text or token ids) or a batch of them (texts or token lists), as OpenAI's completions take
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, description="16 when omitted, as OpenAI's and vLLM's completions")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -138,7 +140,16 @@ class CompletionRequest(SamplingFields):
     def _refuse_unsupported(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
             raise refuse("best_of", "best_of other than n (choices are not ranked server-side)")
+        if len(self.prompts) > MAX_PROMPTS:
+            raise PydanticCustomError("prompt", "at most {limit} prompts in one request, got {count}",
+                                      {"limit": MAX_PROMPTS, "count": len(self.prompts), "path": "prompt"})
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts in order (choice k * n + i is prompt k's choice i), or the one prompt."""
+        batch = isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if batch else [self.prompt]
 
     @model_validator(mode="before")
     @classmethod

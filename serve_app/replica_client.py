@@ -124,3 +124,44 @@ class LocalStream:
             step.cancel()
             await asyncio.wait({step})  # its CancelledError is the consumer's business, not this task's
         await self._generator.aclose()  # a no-op when the cancelled step already ended it
+
+
+class MergedStreams:
+    """Several generations' streams as one (a batch of prompts): (its index, message) in arrival order. Each stream
+    is read by a task of its own; `cancel()` aborts them all. The consumer reads every message (the ingress writes
+    them out), so the queue holds what arrived since its last read."""
+
+    def __init__(self, streams: list[ReplicaStream]):
+        self.streams = streams
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._open = len(streams)
+        self._readers = [asyncio.ensure_future(self._read(k, stream)) for k, stream in enumerate(streams)]
+
+    async def _read(self, k: int, stream: ReplicaStream) -> None:
+        try:
+            async for message in stream:
+                self._queue.put_nowait((k, message))
+        except Exception as exc:  # the stream's failure, raised to the consumer in its turn
+            self._queue.put_nowait((k, exc))
+        finally:
+            self._queue.put_nowait((k, None))  # this stream is over
+
+    def __aiter__(self) -> "MergedStreams":
+        return self
+
+    async def __anext__(self) -> tuple[int, Any]:
+        while self._open:
+            k, message = await self._queue.get()
+            if message is None:
+                self._open -= 1
+            elif isinstance(message, Exception):
+                raise message
+            else:
+                return k, message
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        for reader in self._readers:
+            reader.cancel()
+        for stream in self.streams:
+            stream.cancel()

@@ -63,6 +63,23 @@ def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
     assert stats.engine.generation_tokens < 200 + 2 * CHAT["max_tokens"], stats  # aborted, not run to its end
 
 
+def test_a_client_that_leaves_a_streamed_batch_of_prompts_aborts_every_prompt(colocated, auth):
+    """A batch of prompts streams as one merged stream of three generations; here no Ray message carries the
+    hang-up, so the merged stream itself must abort all three."""
+    base, handle = colocated
+    before = handle.stats.remote().result(timeout_s=10).engine.generation_tokens
+    body = {"prompt": ["Once upon a time", "The capital of France is", "List three colours:"], "max_tokens": 200,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers=auth, timeout=60) as r:
+        for number, _ in enumerate(r.iter_lines()):
+            if number == 6:
+                running = handle.stats.remote().result(timeout_s=10).engine.num_running
+                break
+    assert running == 3
+    stats = wait_idle(handle)
+    assert stats.engine.generation_tokens - before < 200, stats  # each aborted after a few tokens, none run to its end
+
+
 async def test_the_echo_attack_leaves_another_clients_stream_flowing_here_too(colocated, auth):
     """One event loop here both renders the attack's megabytes of logprobs and feeds every other stream: the
     longest gap was 1.9-3.5 of the attack's mean steps here (BENCHMARKS.md, twenty-fifth session). Two of the split

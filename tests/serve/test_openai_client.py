@@ -60,6 +60,62 @@ def test_completion_without_model_field_and_length_finish(client):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10 and r.choices[0].text
 
 
+BATCH = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+
+def test_a_batch_of_prompts_answers_each_in_order_with_n_choices_each(client, offline, tokenizer):
+    """OpenAI's completions take a list of prompts (lm-evaluation-harness sends them so): choice k * n + i is prompt
+    k's choice i, usage sums the prompts, and token lists give what their texts give."""
+    expected = offline.generate(BATCH, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [e.text for e in expected for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert r.usage.completion_tokens == 6 * 8
+    ids = client.completions.create(model=MODEL, prompt=[tokenizer.encode(p) for p in BATCH], max_tokens=8, temperature=0)
+    assert [c.text for c in ids.choices] == [e.text for e in expected]
+    echoed = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=8, temperature=0, echo=True)
+    assert [c.text for c in echoed.choices] == [p + e.text for p, e in zip(BATCH, expected)]
+
+
+def test_a_streamed_batch_of_prompts_gives_each_choice_its_own_text_and_usage_sums_them(client, offline):
+    expected = offline.generate(BATCH, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    stream = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=8, temperature=0, n=2, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, finished, usage = [""] * 6, [None] * 6, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+        usage = chunk.usage or usage
+    assert texts == [e.text for e in expected for _ in range(2)] and finished == ["length"] * 6
+    assert usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected) and usage.completion_tokens == 48
+
+
+def test_a_client_leaving_a_streamed_batch_aborts_every_prompts_requests(client, replica_handle):
+    """Each prompt of the batch is its own generation; hanging up aborts them all at once, not as each would end
+    (256 tokens: seconds here)."""
+    stream = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=256, temperature=0, n=2, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices and first.choices[0].index in range(6)
+    stream.close()
+    deadline = time.monotonic() + 2.0
+    while (running := replica_handle.stats.remote().result().engine.num_running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_with_one_bad_prompt_is_refused_whole_naming_the_prompt(client, stream):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=["Once upon a time", ""], max_tokens=200, stream=stream)
+    assert refused.value.body["param"] == "prompt", refused.value.body
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=["hi"] * 65, max_tokens=1, stream=stream)
+    assert refused.value.body["param"] == "prompt" and "at most 64 prompts" in refused.value.body["message"]
+
+
 def test_streaming_chat_first_chunk_well_before_the_last(client):
     start = time.monotonic()
     stream = client.chat.completions.create(
