@@ -118,28 +118,41 @@ class Ingress:
         jobs = [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args)
                 for k, p in enumerate(prompts)]
         parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
-        created, n = int(time.time()), body.n
         if body.stream:
-            started = await self._admit_all(jobs)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "")
-                       for k, (_, admitted) in enumerate(started) for i in range(n)]
-            stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
-            events = self._sse(stream, request_id, created, chat, choices, sum(a.prompt_tokens for _, a in started),
-                               include_usage, self._shows_cached_tokens(body), n)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        # a replica lost for good mid-generation surfaces from _call: a 503 in the envelope, like any handle failure
+            return await self._respond_streamed(body, jobs, chat, parse_tools, request_id)
+        return await self._respond_whole(body, jobs, chat, parse_tools, request_id)
+
+    async def _respond_streamed(self, body: SamplingFields, jobs: list[GenerationJob], chat: bool, parse_tools: bool,
+                                request_id: str) -> StreamingResponse:
+        started, n = await self._admit_all(jobs), body.n
+        choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "")
+                   for k, (_, admitted) in enumerate(started) for i in range(n)]
+        stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = self._sse(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
+                           include_usage, self._shows_cached_tokens(body), n)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _respond_whole(self, body: SamplingFields, jobs: list[GenerationJob], chat: bool, parse_tools: bool,
+                             request_id: str) -> CompletionResponse:
+        """Every prompt's choices, generated together; a replica lost for good mid-generation surfaces from _call:
+        a 503 in the envelope, like any handle failure."""
+        created, n = int(time.time()), body.n
         groups = [[Choice(k * n + i, chat, parse_tools) for i in range(n)] for k in range(len(jobs))]
-        results = await _all([self._call(self._retrying_lost_replicas(lambda job=job, group=group: self._generate_whole(job, group)),
-                                         self.args.request_timeout_s) for job, group in zip(jobs, groups)])
+        results = await _all([self._whole(job, group) for job, group in zip(jobs, groups)])
         for group, (admitted, _) in zip(groups, results):
             for choice in group:
                 choice.prefix = admitted.prompt_text or ""
         choices = [choice for group in groups for choice in group]
         tokens = sum(c.completion_tokens for c in choices)
         shown = sum(cached for _, cached in results) if self._shows_cached_tokens(body) else None
+        prompt_tokens = sum(admitted.prompt_tokens for admitted, _ in results)
         return CompletionResponse(completion_body(request_id, self.args.model_name, choices, chat,
-                                                  usage(sum(a.prompt_tokens for a, _ in results), tokens, shown), created))
+                                                  usage(prompt_tokens, tokens, shown), created))
+
+    def _whole(self, job: GenerationJob, choices: list[Choice]):
+        return self._call(self._retrying_lost_replicas(lambda: self._generate_whole(job, choices)),
+                          self.args.request_timeout_s)
 
     def _shows_cached_tokens(self, body) -> bool:
         """An unsalted request's cached-token count would tell its caller whether another tenant sent the same
@@ -163,8 +176,7 @@ class Ingress:
     async def _admit_all(self, jobs: list[GenerationJob]) -> list[tuple]:
         """Admit every job at once: (stream, admission) each. A refusal or failure of any cancels them all and is
         raised: a batch of prompts is answered whole or refused."""
-        tasks = [asyncio.ensure_future(self._call(self._retrying_lost_replicas(lambda job=job: self._admit(job)),
-                                                  self.args.request_timeout_s)) for job in jobs]
+        tasks = [asyncio.ensure_future(self._started(job)) for job in jobs]
         try:
             started = await asyncio.gather(*tasks)
             for _, admitted in started:
@@ -176,6 +188,9 @@ class Ingress:
                 if task.done() and not task.cancelled() and task.exception() is None:
                     task.result()[0].cancel()
             raise
+
+    def _started(self, job: GenerationJob):
+        return self._call(self._retrying_lost_replicas(lambda: self._admit(job)), self.args.request_timeout_s)
 
     async def _admit(self, job: GenerationJob):
         """Start a generation: the stream and the replica's admission result (its first message)."""
