@@ -9,7 +9,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -51,18 +51,15 @@ def _key(linears: list, dtype: torch.dtype) -> str:
 def _keep(path: Path, record: dict) -> None:
     """Writes whole or not at all (replicas starting together may race; either answer serves). A cache that cannot be
     written only costs the next start the timing."""
-    staging = None
+    staging = path.parent / f".keep-{uuid.uuid4().hex}"  # not mkstemp's 0600: a cache may be shared, as umask allows
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, staging = tempfile.mkstemp(prefix=".keep-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+        staging.write_text(json.dumps(record))
         os.replace(staging, path)
     except OSError as exc:
         log.warning("could not keep the measured GGUF crossover in %s: %s", path.parent, exc)
     finally:
-        if staging is not None and os.path.exists(staging):
-            os.unlink(staging)
+        staging.unlink(missing_ok=True)
 
 
 def _cpu_model() -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.layers.quantized import BlockWeight
+from engine.models.cache_files import make_shareable
 
 FORMAT = 1  # raise when what read_tensors yields changes
 Tensors = list[tuple[str, "torch.Tensor | BlockWeight"]]
@@ -39,14 +40,14 @@ def keep(path: Path, tensors: Tensors) -> None:
             kinds[name] = "dense"
             flat[name] = value.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=".keep-", dir=path.parent)
-    os.close(fd)
+    staging = path.parent / f".keep-{uuid.uuid4().hex}"
     try:
-        save_file(flat, staging, metadata={"order": json.dumps([name for name, _ in tensors]), "kinds": json.dumps(kinds)})
+        metadata = {"order": json.dumps([name for name, _ in tensors]), "kinds": json.dumps(kinds)}
+        save_file(flat, str(staging), metadata=metadata)
+        make_shareable(staging)  # safetensors writes 0600
         os.replace(staging, path)
     finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+        staging.unlink(missing_ok=True)
 
 
 def load_kept(path: Path) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:

@@ -7,13 +7,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.models.cache_files import make_shareable
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,11 @@ def embedded_checkpoint() -> Path:
     gguf = embedded_gguf_path()
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    staging = target.parent / f".convert-{uuid.uuid4().hex}"
+    staging.mkdir()  # as the umask allows, not mkdtemp's 0700 (engine/models/cache_files.py)
     try:
         _convert_gguf(gguf, staging)
+        make_shareable(staging)  # save_pretrained writes the weights 0600
         try:
             staging.rename(target)
         except OSError:  # another process won the race; its result is as good as ours

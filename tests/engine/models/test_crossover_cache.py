@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.models import crossover_cache
+from engine.models.cache_files import umask
 
 
 def fake_linears(rows: int = 64) -> list:
@@ -31,7 +32,9 @@ def test_a_measured_crossover_is_kept_and_read_back_until_what_it_depends_on_cha
     finally:
         torch.set_num_threads(threads)
     assert len(calls) == 4
-    assert len(list((tmp_path / "gguf-crossover").glob("*.json"))) == 4
+    kept = list((tmp_path / "gguf-crossover").glob("*.json"))
+    assert len(kept) == 4
+    assert {f.stat().st_mode & 0o777 for f in kept} == {0o666 & ~umask()}  # as the umask allows, for a shared cache
 
 
 def test_a_kept_file_that_does_not_read_is_timed_again_and_without_a_cache_every_load_times_it(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from engine.cpu_kernels import build_block_matmul
 from engine.layers.quantized import BlockWeight, block_matmul
+from engine.models.cache_files import umask
 from engine.models import checkpoint_tensors, embedded_checkpoint, embedded_gguf_path
 from engine.models.gguf import read_tensors
 
@@ -62,7 +63,9 @@ def test_a_kept_copy_reads_as_the_file_did_and_a_changed_file_is_read_again(tmp_
         "blk.0.ffn_down.weight": (rng.standard_normal((64, 8 * 32)).astype(np.float32), "Q8_0")})
     cache = tmp_path / "cache"
     first = list(read_tensors(path, None, cache))
-    assert len(list(cache.rglob("*.safetensors"))) == 1
+    [kept_file] = cache.rglob("*.safetensors")
+    assert kept_file.stat().st_mode & 0o777 == 0o666 & ~umask()  # as the umask allows (a shared cache), not 0600
+    assert not list(cache.rglob(".keep-*"))
 
     def no_reader(*args, **kwargs):
         raise AssertionError("the GGUF file was parsed again")
