@@ -8,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 
 from engine.cpu_kernels import SOURCES, cpu_features_tag
 from engine.layers.quantized import CALIBRATION_ROWS, crossover_rows
+from engine.models.cache_files import write_whole
 
 log = logging.getLogger(__name__)
 KERNELS = ("quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp")
@@ -49,17 +48,11 @@ def _key(linears: list, dtype: torch.dtype) -> str:
 
 
 def _keep(path: Path, record: dict) -> None:
-    """Writes whole or not at all (replicas starting together may race; either answer serves). A cache that cannot be
-    written only costs the next start the timing."""
-    staging = path.parent / f".keep-{uuid.uuid4().hex}"  # not mkstemp's 0600: a cache may be shared, as umask allows
+    """A cache that cannot be written only costs the next start the timing."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_text(json.dumps(record))
-        os.replace(staging, path)
+        write_whole(path, lambda staging: staging.write_text(json.dumps(record)))
     except OSError as exc:
         log.warning("could not keep the measured GGUF crossover in %s: %s", path.parent, exc)
-    finally:
-        staging.unlink(missing_ok=True)
 
 
 def _cpu_model() -> str:

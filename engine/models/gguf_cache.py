@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.layers.quantized import BlockWeight
-from engine.models.cache_files import make_shareable
+from engine.models.cache_files import write_whole
 
 FORMAT = 1  # raise when what read_tensors yields changes
 Tensors = list[tuple[str, "torch.Tensor | BlockWeight"]]
@@ -29,7 +27,7 @@ def kept_path(gguf: Path, cache: Path) -> Path:
 
 
 def keep(path: Path, tensors: Tensors) -> None:
-    """Writes `tensors` to `path` whole or not at all (replicas starting together may race; either copy serves)."""
+    """Writes `tensors` to `path` (whole or not at all)."""
     flat, kinds = {}, {}
     for name, value in tensors:
         if isinstance(value, BlockWeight):
@@ -39,15 +37,8 @@ def keep(path: Path, tensors: Tensors) -> None:
         else:
             kinds[name] = "dense"
             flat[name] = value.contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".keep-{uuid.uuid4().hex}"
-    try:
-        metadata = {"order": json.dumps([name for name, _ in tensors]), "kinds": json.dumps(kinds)}
-        save_file(flat, str(staging), metadata=metadata)
-        make_shareable(staging)  # safetensors writes 0600
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
+    metadata = {"order": json.dumps([name for name, _ in tensors]), "kinds": json.dumps(kinds)}
+    write_whole(path, lambda staging: save_file(flat, str(staging), metadata=metadata))
 
 
 def load_kept(path: Path) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
