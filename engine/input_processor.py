@@ -55,12 +55,16 @@ class InputProcessor:
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
-            vocab = self.limits.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise EngineInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+            self.check_in_vocabulary(prompt, "prompt")
             return list(prompt)
         raise EngineInputError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+    def check_in_vocabulary(self, token_ids: list[int], param: str) -> None:
+        """EngineInputError naming `param` for the first id outside [0, vocab_size)."""
+        vocab = self.limits.vocab_size
+        outside = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise EngineInputError(f"{param}: token id {outside} is outside the vocabulary [0, {vocab})", param)
 
     def _tokenize_chat(self, messages: Messages, tools: list[dict] | None) -> list[int]:
         messages = chat.normalize(messages)

@@ -168,10 +168,10 @@ class EngineReplica:
 
     async def detokenize(self, tokens: list[int]) -> str | Refused:
         """The text of token ids (vLLM's /detokenize), on the tokenizer thread."""
-        vocab = self.frontend.inputs.limits.vocab_size
-        outside = next((t for t in tokens if not 0 <= t < vocab), None)
-        if outside is not None:
-            return Refused(400, f"tokens: token id {outside} is outside the vocabulary [0, {vocab})", "tokens")
+        try:
+            self.frontend.inputs.check_in_vocabulary(tokens, "tokens")
+        except EngineInputError as exc:
+            return Refused(400, str(exc), exc.param)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
                                                                 self.frontend.inputs.tokenizer.decode, tokens)
 
