@@ -49,16 +49,21 @@ def test_every_route_but_health_needs_the_key(colocated, auth):
     assert httpx.get(base + "/health", timeout=30).json()["status"] == "ok"
 
 
+def running_when_the_client_leaves(colocated, auth, path: str, body: dict, lines: int) -> int:
+    """Requests the engine runs after `lines` lines of a stream, read just before the client hangs up."""
+    base, handle = colocated
+    with httpx.stream("POST", base + path, json=body, headers=auth, timeout=60) as r:
+        for number, _ in enumerate(r.iter_lines()):
+            if number == lines:
+                return handle.stats.remote().result(timeout_s=10).engine.num_running
+    raise AssertionError(f"the stream ended within {lines} lines")
+
+
 def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
     """The stream is cancelled in this process, not by a Ray message: the engine must still abort it."""
-    base, handle = colocated
+    _, handle = colocated
     body = {**CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
-        for number, _ in enumerate(r.iter_lines()):
-            if number == 4:
-                running = handle.stats.remote().result(timeout_s=10).engine.num_running
-                break
-    assert running == 1
+    assert running_when_the_client_leaves(colocated, auth, "/v1/chat/completions", body, lines=4) == 1
     stats = wait_idle(handle)
     assert stats.engine.generation_tokens < 200 + 2 * CHAT["max_tokens"], stats  # aborted, not run to its end
 
@@ -66,16 +71,11 @@ def test_a_client_that_goes_away_frees_its_blocks(colocated, auth):
 def test_a_client_that_leaves_a_streamed_batch_of_prompts_aborts_every_prompt(colocated, auth):
     """A batch of prompts streams as one merged stream of three generations; here no Ray message carries the
     hang-up, so the merged stream itself must abort all three."""
-    base, handle = colocated
+    _, handle = colocated
     before = handle.stats.remote().result(timeout_s=10).engine.generation_tokens
     body = {"prompt": ["Once upon a time", "The capital of France is", "List three colours:"], "max_tokens": 200,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.stream("POST", base + "/v1/completions", json=body, headers=auth, timeout=60) as r:
-        for number, _ in enumerate(r.iter_lines()):
-            if number == 6:
-                running = handle.stats.remote().result(timeout_s=10).engine.num_running
-                break
-    assert running == 3
+    assert running_when_the_client_leaves(colocated, auth, "/v1/completions", body, lines=6) == 3
     stats = wait_idle(handle)
     assert stats.engine.generation_tokens - before < 200, stats  # each aborted after a few tokens, none run to its end
 
