@@ -50,6 +50,7 @@ class CoreOutput(msgspec.Struct):
     new_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the request's first output
+    error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
 
 
 class MetricUpdate(msgspec.Struct, array_like=True):

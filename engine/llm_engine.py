@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
 from engine.cpu_kernels import build_paged_decode, fused_ops, nucleus_mask_op, paged_decode_op, paged_prefill_op
 from engine.engine_stats import EngineStats
+from engine.errors import EngineInputError
 from engine.host_memory import keep_freed_memory
 from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
@@ -309,6 +310,9 @@ class LLMEngine:
             self.counters["generation_tokens"] += 1
             try:
                 self._append_token(seq, token, logprob, now)
+            except EngineInputError as exc:  # the request's own constraint failed it: a warning, not a traceback
+                log.warning("request %s failed: %s", seq.request_id, exc)
+                return self._fail(seq, str(exc), exc.param)
             except Exception as exc:
                 log.exception("post-processing of request %s failed", seq.request_id)
                 return self._fail(seq, f"post-processing failed: {type(exc).__name__}")
@@ -330,8 +334,8 @@ class LLMEngine:
         return sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
                    for seq, n in zip(batch.seqs, batch.num_new_tokens))
 
-    def _fail(self, seq: Sequence, message: str) -> CoreOutput:
-        seq.runtime.error = message
+    def _fail(self, seq: Sequence, message: str, param: str | None = None) -> CoreOutput:
+        seq.runtime.error, seq.runtime.error_param = message, param
         self.scheduler.finish(seq, "abort")
         return core_output(seq)
 

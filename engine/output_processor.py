@@ -29,6 +29,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None
     error: str | None = field(default=None)
+    error_param: str | None = None  # the request field at fault, when the error is the request's own
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position, when asked for
     # The request's own list of output tokens, which only grows (as `logprobs` does): this output's are its first
@@ -144,7 +145,7 @@ class OutputProcessor:
     @staticmethod
     def _add_text(request: RequestText, chunk: str) -> bool:
         """Append a token's text; where that completes a stop string (min_tokens reached), cut the text where the
-        stop string starts and say so. Only the tail the chunk could complete is searched, as vLLM does."""
+        stop string starts (ends, with include_stop_str_in_output) and say so. Only the tail the chunk could complete is searched, as vLLM does."""
         if not chunk:
             return False
         start = len(request.text)
@@ -152,9 +153,11 @@ class OutputProcessor:
         params = request.params
         if not params.stop_strings or len(request.token_ids) < params.min_tokens:
             return False
-        hits = [i for i in (request.text.find(s, max(0, start - len(s) + 1)) for s in params.stop_strings) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((request.text.find(s, max(0, start - len(s) + 1)), s)
+                                         for s in params.stop_strings) if i >= 0]
         if hits:
-            request.text = request.text[:min(hits)]
+            at, length = min(hits)
+            request.text = request.text[:at + length if params.include_stop_str_in_output else at]
         return bool(hits)
 
     @staticmethod
@@ -174,6 +177,7 @@ class OutputProcessor:
             metrics=out.metrics,
             logprobs=request.logprobs,
             error=error,
+            error_param=out.error_param,
             num_cached_tokens=out.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs,
             live_token_ids=request.token_ids,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.core_messages import CoreOutput, EngineRequest
+from engine.errors import EngineInputError
 from engine.sampler import make_generator
 from engine.sequence import Sequence
 
@@ -24,6 +25,7 @@ class RequestProgress:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
     sent_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # the request field at fault, when the error is the request's own
 
 
 def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
@@ -49,7 +51,7 @@ class StopChecker:
         if progress.logprobs is not None:
             progress.logprobs.append(logprob)
         if progress.grammar is not None and not progress.grammar.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {progress.grammar.get_error()}")
+            raise _grammar_failure(seq, progress.grammar.get_error())
         return self._stop_reason(seq, token)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -77,4 +79,13 @@ def core_output(seq: Sequence) -> CoreOutput:
         progress.logprobs = []
     progress.sent_tokens += len(new_tokens)
     return CoreOutput(seq.request_id, new_tokens, seq.metrics, seq.finish_reason, progress.error, new_logprobs,
-                      seq.num_cached_tokens or 0, progress.prompt_logprobs if first else None)
+                      seq.num_cached_tokens or 0, progress.prompt_logprobs if first else None, progress.error_param)
+
+
+def _grammar_failure(seq: Sequence, error: str) -> EngineInputError:
+    """A constraint that failed mid-output: llguidance's per-token limits (items in a parser row, lexer fuel) can be
+    met only by the path the output takes, so no check before admission catches every one. The client's constraint
+    is at fault, and the error names it (the message is llguidance's non-verbose one: no schema text)."""
+    param = seq.params.structured_output.param
+    return EngineInputError(f"{param}: the constraint failed after {seq.num_output_tokens} output tokens, past this "
+                            f"server's parser limits ({error.replace('<non-verbose/>', '').strip()})", param)

@@ -51,6 +51,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the logits before anything else
     structured_output: "StructuredOutput | None" = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a stop string ends the text after itself instead of before
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -139,25 +140,63 @@ class SamplingParams:
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+MAX_CHOICES = 1024  # structured output's `choice`: each is an alternative of one grammar rule
+# Subschemas (JSON objects) in one JSON schema: each can be a level of llguidance's recursive compile, whose stack
+# engine/structured_output.py sizes for this many. A schema's $refs chain without nesting its text, so the text's
+# own nesting bound does not bound them.
+MAX_SCHEMA_NODES = 10_000
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrain the output: to a JSON schema, to any JSON object, or to a Lark grammar (llguidance's dialect, which
-    embeds JSON schemas). Compiled once per distinct value."""
+    """Constrain the output: to a JSON schema, to any JSON object, to a grammar (Lark, llguidance's dialect that
+    embeds JSON schemas, or GBNF/EBNF as llama.cpp and vLLM write them), to a regular expression, or to one of a list
+    of strings. Compiled once per distinct value. `param` is the request field it came from, named in refusals."""
 
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
     grammar: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    param: str = "response_format"
 
     def __post_init__(self) -> None:
-        if (self.json_schema is not None) + self.json_object + (self.grammar is not None) != 1:
-            raise EngineInputError("structured output needs exactly one of json_schema, json_object or grammar",
-                                   "response_format")
+        kinds = (self.json_schema is not None) + self.json_object + sum(
+            value is not None for value in (self.grammar, self.regex, self.choice))
+        if kinds != 1:
+            raise EngineInputError("structured output needs exactly one of json_schema, json_object, grammar, regex "
+                                   "or choice", self.param)
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
-            raise EngineInputError("json_schema must be a JSON object", "response_format")
+            raise EngineInputError(f"{self.param}: a JSON schema must be a JSON object", self.param)
+        if self.json_schema is not None and count_objects(self.json_schema) > MAX_SCHEMA_NODES:
+            raise EngineInputError(f"{self.param}: a JSON schema may hold at most {MAX_SCHEMA_NODES} objects", self.param)
+        for text in (self.grammar, self.regex):
+            if text is not None and (not isinstance(text, str) or not text):
+                raise EngineInputError(f"{self.param}: a grammar or regex must be a non-empty string", self.param)
+        if self.choice is not None and not (
+                0 < len(self.choice) <= MAX_CHOICES and all(isinstance(c, str) and c for c in self.choice)):
+            raise EngineInputError(f"{self.param}: choice must be 1 to {MAX_CHOICES} non-empty strings", self.param)
 
     @property
     def key(self) -> str:
-        """A canonical text of the constraint: the grammar cache's key."""
+        """A canonical text of the constraint: the grammar cache's key. A JSON schema's starts with '{', no other's."""
         if self.grammar is not None:
-            return f"lark:{self.grammar}"
+            return f"grammar:{self.grammar}"
+        if self.regex is not None:
+            return f"regex:{self.regex}"
+        if self.choice is not None:
+            return f"choice:{json.dumps(self.choice)}"
         return json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else "{json_object}"
+
+
+def count_objects(value: Any) -> int:
+    """JSON objects in a JSON value, itself included; walked with a stack, and stopping past MAX_SCHEMA_NODES."""
+    count, stack = 0, [value]
+    while stack and count <= MAX_SCHEMA_NODES:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += 1
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count

@@ -1,5 +1,5 @@
-"""Structured output on llguidance: a JSON schema, any JSON object or a Lark grammar becomes a token mask for the
-sampler.
+"""Structured output on llguidance: a JSON schema, any JSON object, a grammar (Lark or GBNF), a regular expression
+or a choice of strings becomes a token mask for the sampler.
 
 Each distinct constraint is compiled once into a template matcher; a request gets a cheap deep copy (tens of
 microseconds). A mask costs about 0.1-0.2 ms a token on this CPU, computed only for the rows that carry a grammar,
@@ -7,6 +7,7 @@ and applied inside the batched sampler, so other requests in the step pay nothin
 """
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 
@@ -23,6 +24,13 @@ LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=50_000, step_max_ite
               verbose_errors=False)
 
 ANY_JSON_OBJECT = {"type": "object"}
+# llguidance compiles recursively on its caller's stack, a level or more per subschema: a JSON schema whose $refs
+# chained ~1,300 deep overflowed a thread's default 8 MB and killed the process with a segfault, no exception to
+# catch (and a Lark rule chain ~2,500 deep). Checks and compiles run on a thread of their own with this much stack
+# (address space: only the pages a compile touches are ever backed); MAX_SCHEMA_NODES (sampling_params) bounds how
+# deep a schema can make them go, with room to spare at the ~7 KB a level measured.
+COMPILE_STACK_BYTES = 256 << 20
+_stack_size_lock = threading.Lock()
 BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -64,19 +72,19 @@ class _Grammars:
 
     def _validated(self, spec: StructuredOutput):
         """`spec`'s grammar, checked to compile within LIMITS (a third of a compile's time); EngineInputError if not."""
+        return on_a_large_stack(self._validate, spec)
+
+    def _validate(self, spec: StructuredOutput):
         from llguidance import LLMatcher, LLParserLimits
 
         try:
-            if spec.grammar is not None:
-                grammar = LLMatcher.grammar_from_lark(spec.grammar)
-            else:
-                grammar = LLMatcher.grammar_from_json_schema(spec.json_schema or ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+            grammar = _grammar(spec)
         except ValueError as exc:
-            raise EngineInputError(f"response_format: the JSON schema is not valid JSON ({exc})", "response_format")
+            raise EngineInputError(f"{spec.param}: {_WHAT[_kind(spec)]} is not valid ({_short(str(exc))})", spec.param)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer(),
                                                                       limits=LLParserLimits(**LIMITS))
         if is_error:
-            raise EngineInputError(f"response_format: the constraint cannot be compiled: {messages[0]}", "response_format")
+            raise EngineInputError(f"{spec.param}: the constraint cannot be compiled: {_short(messages[0])}", spec.param)
         return grammar
 
     def _tokenizer(self):
@@ -124,14 +132,74 @@ class GrammarCompiler(_Grammars):
         return template
 
     def _compile(self, spec: StructuredOutput):
+        return on_a_large_stack(self._compile_here, spec)
+
+    def _compile_here(self, spec: StructuredOutput):
         from llguidance import LLMatcher, LLParserLimits
 
-        grammar = self._validated(spec)
+        grammar = self._validate(spec)
         matcher = LLMatcher(self._tokenizer(), grammar, log_level=0, limits=LLParserLimits(**LIMITS))  # drops the GIL
         if matcher.is_error():
-            raise EngineInputError(f"response_format: the constraint cannot be compiled: {matcher.get_error()}",
-                                   "response_format")
+            raise EngineInputError(f"{spec.param}: the constraint cannot be compiled: {_short(matcher.get_error())}",
+                                   spec.param)
         return matcher
+
+
+def on_a_large_stack(work, *args):
+    """`work(*args)` on a new thread with COMPILE_STACK_BYTES of stack, its result or exception passed on; the caller
+    waits (llguidance drops the interpreter lock while it compiles). About 0.1 ms a call, against a compile's
+    milliseconds; a constraint already compiled or checked never gets here."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work(*args)
+        except BaseException as exc:  # passed on to the caller, whatever it is
+            outcome["error"] = exc
+
+    with _stack_size_lock:  # the size is process-wide, read when a thread starts
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-stack", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _short(message: str, limit: int = 400) -> str:
+    """llguidance's message, cut: its compile errors quote the grammar around the fault, up to all of it."""
+    return message if len(message) <= limit else message[:limit] + " ..."
+
+
+_WHAT = {"grammar": "the grammar", "regex": "the regular expression", "choice": "the choice",
+         "json": "the JSON schema"}
+
+
+def _kind(spec: StructuredOutput) -> str:
+    return next((kind for kind in ("grammar", "regex", "choice") if getattr(spec, kind) is not None), "json")
+
+
+def _grammar(spec: StructuredOutput) -> str:
+    """llguidance's grammar of `spec`; ValueError if its text does not parse."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    kind = _kind(spec)
+    if kind == "grammar":
+        try:
+            lark = any_to_lark(spec.grammar)  # Lark passes through; GBNF (vLLM's and llama.cpp's dialect) converts
+        except Exception as exc:  # the converter raises its own error classes
+            raise ValueError(str(exc)) from None
+        return LLMatcher.grammar_from_lark(lark)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":  # one rule of literal alternatives; JSON's string escapes are Lark's
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    return LLMatcher.grammar_from_json_schema(spec.json_schema or ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
 
 
 def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> GrammarMask | None:

@@ -32,7 +32,8 @@ def envelope(status: int, message: str, param: str | None = None, code: str | in
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0] if exc.errors() else {}
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(location) or (first.get("ctx") or {}).get("path")
+    path = (first.get("ctx") or {}).get("path")  # a validator's own, finer than the location it ran at
+    param = path if path and path.startswith(".".join(location)) else ".".join(location) or path
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None

@@ -20,7 +20,7 @@ from engine import EngineInputError, SamplingParams, StructuredOutput, tool_call
 from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                       TokenizeRequest)
-from serve_app.protocol import Admitted, GenerationJob, Refused, Tokens
+from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
 from serve_app.responses import Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse, usage
 from serve_app.security import Guard, exposure_problem
@@ -112,7 +112,7 @@ class Ingress:
         self._check_model(body.model)
         if body.n > self.args.max_n:
             raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
-        request_id = request.state.request_id
+        request_id = body.request_id or request.state.request_id
         prompts = body.prompts if isinstance(body, CompletionRequest) else [prompt]
         # a batch of prompts: one job each, its choices numbered after the prompts before it (k * n + i)
         jobs = [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args)
@@ -223,7 +223,7 @@ class Ingress:
         try:
             async for delta in stream:
                 if delta.error:
-                    raise OpenAIError(500, f"generation failed: {delta.error}")
+                    raise _generation_failed(delta)
                 if delta.prompt_logprobs is not None:
                     for choice in choices:
                         choice.prefix_logprobs = delta.prompt_logprobs
@@ -251,7 +251,7 @@ class Ingress:
                     continue
                 job, delta = delta if isinstance(delta, tuple) else (0, delta)  # MergedStreams says whose
                 if delta.error:
-                    raise GenerationError(delta.error)
+                    raise _generation_failed(delta)
                 first = job * n
                 tokens[first + delta.index] = delta.completion_tokens
                 if delta.index == 0:
@@ -288,8 +288,12 @@ class Ingress:
                               retry_after_s=self.args.retry_after_s)
 
 
-class GenerationError(RuntimeError):
-    """The engine failed this request; its message is the engine's own, written for clients."""
+def _generation_failed(delta: Delta) -> OpenAIError:
+    """A generation the engine ended with an error (its message is the engine's own, written for clients): the
+    request's own fault (a constraint it set failed it) is a 400 naming the field, any other a 500."""
+    if delta.error_param is not None:
+        return OpenAIError(400, delta.error, delta.error_param)
+    return OpenAIError(500, f"generation failed: {delta.error}")
 
 
 def _stream_error(exc: Exception, request_id: str) -> dict:
@@ -297,8 +301,8 @@ def _stream_error(exc: Exception, request_id: str) -> dict:
     remote traceback, actor ids and node addresses, which go to the server log under the request id instead."""
     if isinstance(exc, TimeoutError):
         return envelope(504, "request timed out", code="timeout")
-    if isinstance(exc, GenerationError):
-        return envelope(500, f"generation failed: {exc}")
+    if isinstance(exc, OpenAIError):
+        return exc.body()
     log.warning("stream %s failed: %s: %s", request_id, type(exc).__name__, exc)
     return envelope(503, f"the engine replica serving request {request_id} failed; retry the request")
 
@@ -362,17 +366,20 @@ def _sampling_params(body: SamplingFields, tools: list[dict] | None) -> Sampling
         top_k=body.top_k if body.top_k is not None else -1, min_p=body.min_p, seed=body.seed, stop=body.stop,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+        min_tokens=body.min_tokens, logprobs=body.num_logprobs, skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         prompt_logprobs=body.num_logprobs if getattr(body, "echo", False) else None,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
         structured_output=_structured_output(body, tools))
 
 
 def _structured_output(body: SamplingFields, tools: list[dict] | None) -> StructuredOutput | None:
-    """response_format's constraint, or, when a tool call is forced (required or named), the grammar of one."""
+    """The constraint the request sets (response_format, structured_outputs or a guided_ field), or, when a tool
+    call is forced (required or named), the grammar of one."""
     if isinstance(body, ChatCompletionRequest) and body.effective_tool_choice in ("required", "named"):
-        return StructuredOutput(grammar=tool_calls.grammar(tools, body.forced_function, body.parallel_tool_calls))
-    return body.response_format.structured_output() if body.response_format else None
+        return StructuredOutput(grammar=tool_calls.grammar(tools, body.forced_function, body.parallel_tool_calls),
+                                param="tools")
+    return body.structured_output()
 
 
 def _offered_tools(body: SamplingFields) -> list[dict] | None:

@@ -2,15 +2,22 @@
 outside OpenAI's API (and vLLM's extensions we implement) are ignored."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, StructuredOutput
+from serve_app.security import REQUEST_ID
+
+from engine.errors import EngineInputError
+from engine.sampling_params import (MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
+                                    MIN_REPETITION_PENALTY, StructuredOutput, count_objects)
 
 MAX_TOOLS = 128  # OpenAI's own bound
 MAX_PROMPTS = 64  # a completion's batch of prompts; each prompt's n choices are engine requests of their own
+MAX_CONSTRAINT_CHARS = 100_000  # a grammar's or a regex's text (llguidance bounds the compiled grammar's size too)
+Constraint = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHARS)
 
 
 class StreamOptions(BaseModel):
@@ -70,6 +77,110 @@ class ResponseFormat(BaseModel):
         return None
 
 
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a JSON schema in which every object that does not say whether it allows properties beyond its own
+    allows none (vLLM's `disable_additional_properties`). Walked with a stack: a client's nesting is no recursion."""
+    root = json.loads(json.dumps(schema))
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return root
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one constraint of json, regex, choice, grammar (GBNF or Lark) or json_object.
+    A key vLLM does not have is refused (its own docs once spelled `choice` as `choices`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = Constraint
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Constraint
+    json_object: bool | None = None
+    disable_fallback: bool = False  # nothing falls back: a constraint that cannot compile is a 400
+    disable_any_whitespace: bool = False  # JSON is always written without free whitespace (", " and ": ")
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "StructuredOutputs":
+        for field, why in (("whitespace_pattern", "a JSON whitespace pattern (JSON is written with ', ' and ': ')"),
+                           ("structural_tag", "structural tags")):
+            if getattr(self, field) is not None:
+                raise refuse(f"structured_outputs.{field}", why)
+        given = [name for name in ("json", "regex", "choice", "grammar") if self.given(name)]
+        if len(given) + bool(self.json_object) != 1:
+            raise PydanticCustomError("constraint", "give exactly one of json, regex, choice, grammar or json_object, "
+                                      "got {given}", {"given": given + (["json_object"] if self.json_object else [])})
+        return self
+
+    def given(self, name: str) -> bool:
+        return getattr(self, "json_" if name == "json" else name) is not None
+
+    def structured_output(self) -> StructuredOutput:
+        kind = next(name for name in ("json", "regex", "choice", "grammar") if self.given(name)) \
+            if not self.json_object else "json_object"
+        value = getattr(self, "json_" if kind == "json" else kind)
+        return constraint(kind, value, f"structured_outputs.{kind}", self.disable_additional_properties)
+
+
+def constraint(kind: str, value: Any, param: str, closed: bool = False) -> StructuredOutput:
+    """The engine's constraint for one of vLLM's kinds (json, regex, choice, grammar, json_object), naming `param`
+    in refusals; EngineInputError when a JSON schema given as text is not one."""
+    if kind == "json_object":
+        return StructuredOutput(json_object=True, param=param)
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(value), param=param)
+    if kind in ("regex", "grammar"):
+        return StructuredOutput(**{kind: value}, param=param)
+    schema = value
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError):  # nesting past the parser's depth is no schema either
+            schema = None
+    if not isinstance(schema, dict):
+        raise EngineInputError(f"{param}: a JSON schema must be an object, or the JSON text of one", param)
+    return StructuredOutput(json_schema=closed_objects(schema) if closed else schema, param=param)
+
+
+# vLLM's fields before 0.12 (clients still send them): each is the structured_outputs key of the same name
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+# vLLM's request fields this server does not implement: field -> (the values that ask for nothing, why refused)
+UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((False, None), "beam search"),
+    "length_penalty": ((1, 1.0, None), "length_penalty (a beam search's)"),
+    "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens false"),
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens (a prompt that does not fit is refused, not cut)"),
+    "prompt_logprobs": ((None,), "prompt_logprobs (completions score the prompt with echo and logprobs)"),
+    "allowed_token_ids": ((None,), "allowed_token_ids (logit_bias or a choice or regex constraint instead)"),
+    "bad_words": ((None, []), "bad_words"),
+    "priority": ((0, None), "priority scheduling (requests are served first come, first served)"),
+    "logits_processors": ((None, []), "custom logits processors"),
+    "return_tokens_as_token_ids": ((False, None), "return_tokens_as_token_ids"),
+    "return_token_ids": ((False, None), "return_token_ids"),
+    "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
+    "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
+    "max_repetition_pattern_size": ((0, None), "stopping on repeated token patterns"),
+    "min_repetition_pattern_size": ((0, None), "stopping on repeated token patterns"),
+    "repetition_min_count": ((0, None), "stopping on repeated token patterns"),
+    "guided_whitespace_pattern": ((None,), "a JSON whitespace pattern (JSON is written with ', ' and ': ')"),
+    "prompt_embeds": ((None,), "prompt embeddings"),
+    "mm_processor_kwargs": ((None,), "multimodal input"),
+    "documents": ((None,), "documents for a RAG chat template"),
+    "chat_template": ((None,), "a chat template per request (the model's own is used)"),
+}
+
+
 class SamplingFields(BaseModel):
     """What both endpoints share: OpenAI's sampling fields and the vLLM extensions clients send to vLLM."""
 
@@ -110,6 +221,52 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # benchmarks need fixed output lengths
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
                                    description="prefix-cache blocks are shared only with the same salt")
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = Constraint
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Constraint
+    guided_decoding_backend: str | None = None  # one backend here, llguidance: the choice changes nothing
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    request_id: str | None = Field(default=None, pattern=REQUEST_ID.pattern,
+                                   description="the response's id, as an X-Request-Id header would set it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_vllm_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for field, (default, why) in UNSUPPORTED_VLLM_FIELDS.items():
+                if field in data and data[field] not in default:
+                    raise refuse(field, why)
+        return data
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "SamplingFields":
+        given = [name for name in self.constraint_fields]
+        if len(given) > 1:
+            raise PydanticCustomError("constraint", "one output constraint per request, got {given}",
+                                      {"given": " and ".join(given), "path": given[1]})
+        return self
+
+    @property
+    def constraint_fields(self) -> list[str]:
+        """The fields that constrain the output, as the request sets them (at most one may)."""
+        fields = [field for field in GUIDED_FIELDS if getattr(self, field) is not None]
+        if self.structured_outputs is not None:
+            fields.append("structured_outputs")
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.append("response_format")
+        return fields
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint the request sets, if any (forced tool calls are the chat endpoint's)."""
+        for field, key in GUIDED_FIELDS.items():
+            if getattr(self, field) is not None:
+                return constraint(key, getattr(self, field), field)
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured_output()
+        return self.response_format.structured_output() if self.response_format else None
 
     @field_validator("logit_bias")
     @classmethod
@@ -156,6 +313,9 @@ class CompletionRequest(SamplingFields):
     def _refuse_suffix(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("suffix"):
             raise refuse("suffix", "this model has no fill-in-the-middle mode")
+        if isinstance(data, dict) and data.get("add_special_tokens") is False:
+            raise refuse("add_special_tokens", "add_special_tokens false (a text prompt starts as the tokenizer "
+                         "starts it; token ids are sent as they are)")
         return data
 
     @property
@@ -240,6 +400,9 @@ UNSUPPORTED_CHAT_FIELDS = {
     "functions": "the deprecated functions field (use tools)", "function_call": "the deprecated function_call (use tool_choice)",
     "web_search_options": "web search", "reasoning_effort": "reasoning effort (the model does not reason)",
     "verbosity": "verbosity", "store": "stored completions",
+    # vLLM's chat extensions
+    "echo": "echo in a chat (vLLM's: the last message prepended to the reply)",
+    "add_special_tokens": "add_special_tokens in a chat (the chat template writes the special tokens)",
 }
 
 
@@ -268,13 +431,16 @@ class ChatCompletionRequest(SamplingFields):
             raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true", {"path": "top_logprobs"})
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise PydanticCustomError("tools", "tool_choice needs tools", {"path": "tool_choice"})
+        if self.tools and sum(count_objects(t.function.parameters or {}) for t in self.tools) > MAX_SCHEMA_NODES:
+            raise PydanticCustomError("tools", "the tools' parameter schemas may hold at most {limit} objects in all",
+                                      {"limit": MAX_SCHEMA_NODES, "path": "tools"})
         name = self.forced_function
         if name is not None and name not in {t.function.name for t in self.tools}:
             raise PydanticCustomError("tools", "no tool is named '{name}'", {"path": "tool_choice", "name": name})
-        if self.tools and self.response_format is not None and self.response_format.type != "text" \
-                and self.effective_tool_choice != "none":
-            raise PydanticCustomError("tools", "response_format cannot constrain a reply that may call tools; "
-                                      "set tool_choice to none", {"path": "response_format"})
+        if self.tools and self.constraint_fields and self.effective_tool_choice != "none":
+            raise PydanticCustomError("tools", "{field} cannot constrain a reply that may call tools; "
+                                      "set tool_choice to none", {"field": self.constraint_fields[0],
+                                                                  "path": self.constraint_fields[0]})
         return self
 
     @property

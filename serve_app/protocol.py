@@ -63,6 +63,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: every choice's, on the request's first delta
+    error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
 
 
 @dataclass

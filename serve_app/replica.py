@@ -145,7 +145,7 @@ class EngineReplica:
             logprobs = [_token_logprob(self._token_texts, token, entry, top_logprobs)
                         for token, entry in zip(last.token_ids_since(sent_tokens), last.logprobs[sent_tokens:])]
         return Delta(index, text, last.num_tokens, last.finish_reason,
-                     last.error, logprobs, last.num_cached_tokens)
+                     last.error, logprobs, last.num_cached_tokens, error_param=last.error_param)
 
     def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
         texts = self._scoring_texts

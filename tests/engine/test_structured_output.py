@@ -1,6 +1,7 @@
 """Structured output in the engine (fp32): schema-valid JSON, forced tool calls, compile errors as input errors,
 and batch mates untouched."""
 import json
+import re
 
 import pytest
 
@@ -47,6 +48,25 @@ def test_a_forced_tool_call_has_arguments_valid_for_its_function(llm32):
     assert call.name == "add" and set(json.loads(call.arguments)) == {"a", "b"}
 
 
+EMAIL = r"[a-z]{1,8}@[a-z]{1,8}\.com"
+SQL_GBNF = """root ::= "SELECT " column " FROM " table
+column ::= "name" | "age"
+table ::= "people" | "pets"
+"""
+
+
+@pytest.mark.parametrize("spec,fits", [
+    (StructuredOutput(regex=EMAIL), lambda text: re.fullmatch(EMAIL, text)),
+    (StructuredOutput(choice=("positive", "negative")), lambda text: text in ("positive", "negative")),
+    (StructuredOutput(grammar=SQL_GBNF), lambda text: re.fullmatch(r"SELECT (name|age) FROM (people|pets)", text)),
+], ids=["regex", "choice", "gbnf"])
+def test_a_regex_a_choice_and_a_gbnf_grammar_bound_the_whole_output(llm32, spec, fits):
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=spec)
+    (out,) = llm32.chat([[{"role": "user", "content": "Write an email address, then a review of a film."}]], params,
+                        use_tqdm=False)
+    assert out.finish_reason == "stop" and fits(out.text), out.text
+
+
 def test_a_schema_that_cannot_compile_is_an_input_error_and_compiles_are_cached(llm32):
     with pytest.raises(EngineInputError, match="response_format"):
         llm32.add_request("bad-schema", "hi", SamplingParams(
@@ -66,10 +86,15 @@ CHECKED_SPECS = [
     StructuredOutput(json_schema={"type": "string", "pattern": "(a|b)*a(a|b){25}"}),  # a lexer state blow-up
     StructuredOutput(grammar='start: "yes" | "no"'),
     StructuredOutput(grammar="start: undefined_rule"),
+    StructuredOutput(grammar=SQL_GBNF),
+    StructuredOutput(grammar='root ::= "a" | ('),
+    StructuredOutput(regex="[a-z"),
+    StructuredOutput(choice=("yes", 'say "no"\n')),
 ]
 
 
-@pytest.mark.parametrize("spec", CHECKED_SPECS, ids=["object", "bad-type", "bad-pattern", "too-big", "blow-up", "lark", "bad-lark"])
+@pytest.mark.parametrize("spec", CHECKED_SPECS, ids=["object", "bad-type", "bad-pattern", "too-big", "blow-up", "lark", "bad-lark", "gbnf", "bad-gbnf",
+                              "bad-regex", "choice"])
 def test_the_front_ends_checker_refuses_exactly_what_the_core_cannot_compile(llm32, spec):
     """Where the core runs in its own process the front end only checks a constraint (a third of a compile) and
     compiles nothing: it must refuse, with the same field, exactly the constraints the core's compile refuses."""

@@ -194,6 +194,47 @@ def test_tool_call_arguments_nested_past_the_parsers_depth_are_kept_as_text_not_
         assert "context" in r.json()["error"]["message"], r.text
 
 
+def ref_chain(depth: int, at: str = "#") -> dict:
+    """A JSON schema whose $refs chain `depth` deep in flat text (3 objects a link): each link is a level of
+    llguidance's recursive compile. `at`: where the schema sits in the document its pointers resolve in."""
+    defs = {f"r{i}": {"anyOf": [{"$ref": f"{at}/$defs/r{i + 1}"}, {"const": i}]} for i in range(depth)}
+    defs[f"r{depth}"] = {"const": "end"}
+    return {"$defs": defs, "$ref": f"{at}/$defs/r0"}
+
+
+async def test_constraints_that_recurse_deep_in_the_compiler_leave_a_stream_beside_them_whole(base_url, auth):
+    """llguidance compiles on its caller's stack: a schema whose $refs chained 1,500 deep, or a Lark rule chain
+    3,000 deep, overflowed a thread's 8 MB, and the process that checked or compiled it (the replica, or its core)
+    died of a segfault with every stream in it. Each attack here did; now each compiles on a larger stack, fails at
+    its first token on llguidance's per-token limits (a 400 naming its field: it was a 500), and the stream beside
+    them ends whole."""
+    lark = "start: r0\n" + "".join(f'r{i}: r{i + 1} | "x"\n' for i in range(3000)) + 'r3000: "y"\n'
+    # a forced call's grammar embeds the arguments' schema at /properties/arguments (engine/tool_calls.py)
+    deep_tool = {"type": "function", "function": {"name": "f", "parameters": ref_chain(3000, "#/properties/arguments")}}
+    attacks = {"response_format": chat(response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "deep", "schema": ref_chain(3000)}}),
+               "structured_outputs.grammar": chat(structured_outputs={"grammar": lark}),
+               # the tools' text overflows the context, refused after its grammar is checked (that check crashed)
+               "prompt": chat(tools=[deep_tool], tool_choice="required")}
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def watched_stream() -> str:
+            body = {**chat(max_tokens=64, ignore_eos=True), "stream": True}
+            async with client.stream("POST", base_url + CHAT, json=body, headers=auth) as r:
+                return "".join([line async for line in r.aiter_lines()])
+
+        stream = asyncio.ensure_future(watched_stream())
+        await asyncio.sleep(0.5)
+        for field, body in attacks.items():  # each compiles, then meets the parser's limits at its first token
+            r = await client.post(base_url + CHAT, json=body, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert field == "prompt" or "parser limits" in r.json()["error"]["message"], r.text
+        text = await stream
+    assert text.endswith("[DONE]") and '"error"' not in text, text[-300:]
+    too_many = chat(response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": ref_chain(3400)}})
+    r = httpx.post(base_url + CHAT, json=too_many, headers=auth, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 async def stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[float], list]:
     """The gaps between another client's streamed chunks while `attack(client)` runs, and the attack's replies.
     That client streams from 1 s before the attack to its first chunk after the attack's end, one request after

@@ -1,5 +1,5 @@
-"""The README's table of OpenAI fields is the truth: each field is sent once to each endpoint that has it, and gets
-the outcome the table says (200, or a 400 that names the field)."""
+"""The README's tables of OpenAI fields and of vLLM's extensions are the truth: each field is sent once to each
+endpoint that has it, and gets the outcome the table says (200, or a 400 that names the field)."""
 import re
 from pathlib import Path
 
@@ -31,17 +31,39 @@ EXAMPLES = {
     "functions": {"functions": [{"name": "f"}]}, "function_call": {"function_call": "auto"},
     "web_search_options": {"web_search_options": {}}, "reasoning_effort": {"reasoning_effort": "low"},
     "verbosity": {"verbosity": "low"}, "suffix": {"suffix": "the end"},
+    # vLLM's
+    "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1}, "repetition_penalty": {"repetition_penalty": 1.2},
+    "stop_token_ids": {"stop_token_ids": [2]}, "min_tokens": {"min_tokens": 1}, "ignore_eos": {"ignore_eos": True},
+    "include_stop_str_in_output": {"include_stop_str_in_output": True, "stop": ["e"]},
+    "skip_special_tokens": {"skip_special_tokens": False}, "cache_salt": {"cache_salt": "tenant-a"},
+    "request_id": {"request_id": "mine-1"},
+    "structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
+    "guided_json": {"guided_json": {"type": "object"}, "max_tokens": 8}, "guided_regex": {"guided_regex": "[0-9]{2}"},
+    "guided_choice": {"guided_choice": ["yes", "no"]}, "guided_grammar": {"guided_grammar": 'root ::= "yes" | "no"'},
+    "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"},
+    "guided_whitespace_pattern": {"guided_whitespace_pattern": " "}, "use_beam_search": {"use_beam_search": True},
+    "length_penalty": {"length_penalty": 0.5}, "spaces_between_special_tokens": {"spaces_between_special_tokens": False},
+    "truncate_prompt_tokens": {"truncate_prompt_tokens": 4}, "prompt_logprobs": {"prompt_logprobs": 1},
+    "allowed_token_ids": {"allowed_token_ids": [1, 2]}, "bad_words": {"bad_words": ["sea"]},
+    "priority": {"priority": 1}, "logits_processors": {"logits_processors": ["my.Processor"]},
+    "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True}, "return_token_ids": {"return_token_ids": True},
+    "kv_transfer_params": {"kv_transfer_params": {}}, "vllm_xargs": {"vllm_xargs": {"k": 1}},
+    "max_repetition_pattern_size": {"max_repetition_pattern_size": 4},
+    "mm_processor_kwargs": {"mm_processor_kwargs": {}}, "documents": {"documents": [{"title": "t", "text": "x"}]},
+    "chat_template": {"chat_template": "{{ messages }}"}, "add_special_tokens": {"add_special_tokens": True},
+    "prompt_embeds": {"prompt_embeds": "AAAA"},
 }
 
 
 def readme_table() -> dict[str, dict[str, str]]:
-    text = README.read_text()
-    table = text[text.index("<!-- openai-fields:start -->"):text.index("<!-- openai-fields:end -->")]
-    rows = {}
-    for line in table.splitlines():
-        match = re.match(r"^\| `(\w+)` \| (\S+) \| (\S+) \|", line)
-        if match:
-            rows[match[1]] = {"chat": match[2], "completions": match[3]}
+    text, rows = README.read_text(), {}
+    for name in ("openai-fields", "vllm-fields"):
+        table = text[text.index(f"<!-- {name}:start -->"):text.index(f"<!-- {name}:end -->")]
+        for line in table.splitlines():
+            match = re.match(r"^\| `(\w+)` \| (\S+) \| (\S+) \|", line)
+            if match:
+                assert match[1] not in rows, f"{match[1]} is in two tables"
+                rows[match[1]] = {"chat": match[2], "completions": match[3]}
     return rows
 
 

@@ -68,6 +68,12 @@ def test_a_stop_string_ends_the_request_here_cut_before_it_and_names_it_for_the_
     assert processor.process([core(ids_of(tokenizer, " x")), core([], "stop")]) == ([], {})
 
 
+def test_include_stop_str_in_output_cuts_after_the_earliest_stop_string_instead(tokenizer):
+    processor = start(tokenizer, stop=["world", "STOP", "wor"], include_stop_str_in_output=True)
+    (out,), stopped = processor.process([core(ids_of(tokenizer, "Hello world. STOP and then"))])
+    assert out.finish_reason == "stop" and out.text == "Hello wor" and stopped == {"r": "stop"}  # earliest, shortest
+
+
 def test_text_that_could_still_become_a_stop_string_is_held_back_then_released(tokenizer):
     processor = start(tokenizer, stop=["STOP"])
     (first,), _ = processor.process([core(ids_of(tokenizer, "Hello ST"))])

@@ -1,0 +1,100 @@
+"""vLLM's request extensions through the `openai` client's `extra_body`, against the real app under Ray Serve (fp32
+engine, embedded model): structured outputs in vLLM's current and pre-0.12 spellings, stop strings kept in the
+text, special tokens shown, the caller's request id. Which fields are refused is the README table's test."""
+import json
+import re
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "Write an email address, then describe a person."}]
+EMAIL = r"[a-z]{1,8}@[a-z]{1,8}\.com"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def client(serve_app):
+    return openai.OpenAI(base_url=serve_app["base_url"] + "/v1", api_key=serve_app["api_key"], max_retries=0, timeout=120)
+
+
+def chat(client, **extra):
+    return client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0.0, extra_body=extra)
+
+
+def test_a_choice_bounds_the_reply_in_both_spellings_and_on_both_endpoints(client):
+    for extra in ({"structured_outputs": {"choice": ["kind", "cruel"]}}, {"guided_choice": ["kind", "cruel"]}):
+        reply = chat(client, **extra).choices[0]
+        assert reply.message.content in ("kind", "cruel") and reply.finish_reason == "stop", extra
+        completion = client.completions.create(model=MODEL, prompt="The villain was", max_tokens=10, temperature=0.0,
+                                               extra_body=extra).choices[0]
+        assert completion.text in ("kind", "cruel"), extra
+
+
+def test_a_streamed_regex_reply_matches_it_whole(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0.0, stream=True,
+                                            extra_body={"structured_outputs": {"regex": EMAIL}})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert re.fullmatch(EMAIL, text), text
+
+
+def test_a_gbnf_grammar_bounds_a_completion(client):
+    grammar = 'root ::= "SELECT " column " FROM people"\ncolumn ::= "name" | "age"'
+    for extra in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar}):
+        text = client.completions.create(model=MODEL, prompt="-- the names of everyone\n", max_tokens=20,
+                                         temperature=0.0, extra_body=extra).choices[0].text
+        assert re.fullmatch(r"SELECT (name|age) FROM people", text), (extra, text)
+
+
+def test_a_json_schema_as_text_with_additional_properties_disabled_gives_exactly_its_keys(client):
+    extra = {"structured_outputs": {"json": json.dumps(PERSON), "disable_additional_properties": True}}
+    reply = chat(client, **extra).choices[0]
+    assert set(json.loads(reply.message.content)) == {"name", "age"}, reply.message.content
+    reply = chat(client, guided_json=PERSON).choices[0]
+    assert {"name", "age"} <= set(json.loads(reply.message.content))
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"structured_outputs": {"choices": ["a", "b"]}}, "structured_outputs.choices"),  # vLLM's docs' own misspelling
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | ('}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_choice": ["a"], "tools": [{"type": "function", "function": {"name": "f"}}]}, "guided_choice"),
+    ({"request_id": "two words"}, "request_id"),
+], ids=["misspelled-key", "bad-regex", "bad-json", "bad-gbnf", "two-kinds", "structural-tag", "two-fields",
+        "with-tools", "bad-request-id"])
+def test_a_constraint_that_cannot_be_is_a_400_naming_its_field(client, extra, field):
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, **extra)
+    error = refused.value.body
+    assert error["param"] == field and field in error["message"], error
+
+
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(client):
+    whole = chat(client).choices[0].message.content
+    stop = whole.split()[3]  # a word well inside the greedy reply
+    cut = chat(client, stop=[stop]).choices[0]
+    kept = chat(client, stop=[stop], include_stop_str_in_output=True).choices[0]
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    assert kept.message.content == cut.message.content + stop and whole.startswith(kept.message.content)
+
+
+def test_special_tokens_show_when_not_skipped(client):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=40, temperature=0.0)
+    shown = client.chat.completions.create(**args, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    skipped = client.chat.completions.create(**args, extra_body={"ignore_eos": True})
+    assert "<|im_end|>" in shown.choices[0].message.content
+    assert "<|im_end|>" not in skipped.choices[0].message.content
+    assert shown.usage.completion_tokens == skipped.usage.completion_tokens == 40
+
+
+def test_the_callers_request_id_is_the_responses_id(client):
+    assert chat(client, request_id="trace-7.a:b").id == "trace-7.a:b"
+    stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
+                                       extra_body={"request_id": "trace-8"})
+    assert {chunk.id for chunk in stream} == {"trace-8"}
