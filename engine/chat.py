@@ -7,13 +7,55 @@ format of engine/tool_calls.py.
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any
+
+from jinja2 import TemplateError
 
 from engine import tool_calls
 from engine.errors import EngineInputError
 
 Messages = list[dict[str, Any]]
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+MAX_TEMPLATE_KWARGS = 32
+TEMPLATE_KWARG = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# Names the renderer sets itself (apply_chat_template's arguments, and the special tokens it passes to the template):
+# a client's kwarg may not replace them
+RESERVED_TEMPLATE_KWARGS = {
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "raise_exception", "strftime_now",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+}
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How messages become a prompt (vLLM's chat fields): end with the assistant's turn opened (the default), or
+    leave the last message open for the model to continue ("prefill" part of the reply), and extra variables for
+    the model's template (e.g. Qwen3's `enable_thinking`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise EngineInputError("continue_final_message: cannot be set with add_generation_prompt (set that to "
+                                   "false to continue the last message)", "continue_final_message")
+        kwargs = self.template_kwargs
+        if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise EngineInputError(f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} names", "chat_template_kwargs")
+        for name in kwargs:
+            if not (isinstance(name, str) and TEMPLATE_KWARG.match(name)) or name in RESERVED_TEMPLATE_KWARGS:
+                raise EngineInputError(f"chat_template_kwargs: {name!r} is not a name a request may set (identifiers "
+                                       "only; the template's own arguments and special tokens are set by the "
+                                       "server)", "chat_template_kwargs")
+
+
+DEFAULT_OPTIONS = ChatOptions()
 
 
 def normalize(messages: Messages) -> Messages:
@@ -50,8 +92,9 @@ def _content_text(content: Any, index: int, may_be_empty: bool) -> str:
     raise EngineInputError(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
-def render(tokenizer, messages: Messages, tools: list[dict] | None = None) -> str:
-    """Prompt text for normalized messages, ending where the assistant's answer begins."""
+def render(tokenizer, messages: Messages, tools: list[dict] | None = None, options: ChatOptions = DEFAULT_OPTIONS) -> str:
+    """Prompt text for normalized messages, ending where the assistant's answer begins (or, continuing, inside the
+    last message)."""
     template = tokenizer.chat_template or ""
     native_tools = "tools" in template
     if "developer" not in template:  # OpenAI's newer name for the system role
@@ -60,8 +103,13 @@ def render(tokenizer, messages: Messages, tools: list[dict] | None = None) -> st
         messages = [_as_plain_turn(m) for m in messages]
     if tools and not native_tools:
         messages = _with_tools_in_system_prompt(messages, tools)
-    return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
-                                         add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
+                                             add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message,
+                                             **options.template_kwargs)
+    except (ValueError, TemplateError) as exc:  # transformers' refusals, and the template's own raise_exception
+        raise EngineInputError(f"messages: the chat template cannot render them so: {exc}", "messages") from None
 
 
 def _as_plain_turn(message: dict) -> dict:

@@ -42,8 +42,10 @@ class InputProcessor:
         return EngineRequest(request_id, token_ids, params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader)
 
-    def tokenize(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a text, token ids or chat messages (with `tools` offered to the model: chat only)."""
+    def tokenize(self, prompt: Prompt, tools: list[dict] | None = None,
+                 options: chat.ChatOptions = chat.DEFAULT_OPTIONS) -> list[int]:
+        """Token ids of a text, token ids or chat messages (with `tools` offered to the model and the template's
+        `options`: chat only)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
@@ -51,7 +53,7 @@ class InputProcessor:
             _check_unicode(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._tokenize_chat(prompt, tools)
+            return self._tokenize_chat(prompt, tools, options)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
@@ -66,12 +68,12 @@ class InputProcessor:
         if outside is not None:
             raise EngineInputError(f"{param}: token id {outside} is outside the vocabulary [0, {vocab})", param)
 
-    def _tokenize_chat(self, messages: Messages, tools: list[dict] | None) -> list[int]:
+    def _tokenize_chat(self, messages: Messages, tools: list[dict] | None, options: chat.ChatOptions) -> list[int]:
         messages = chat.normalize(messages)
         self._check_length(sum(len(m["content"]) for m in messages), "messages")
         for i, message in enumerate(messages):
             _check_unicode(message["content"], f"messages[{i}].content")
-        text = chat.render(self.tokenizer, messages, tools)
+        text = chat.render(self.tokenizer, messages, tools, options)
         self._check_length(len(text), "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -17,6 +17,7 @@ from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
+from engine.chat import DEFAULT_OPTIONS
 from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                       TokenizeRequest)
@@ -87,7 +88,11 @@ class Ingress:
         """vLLM's /tokenize: the ids a completion or chat completion with this prompt would count."""
         self._check_model(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        tokens = await self._call(self.replica.tokenize(body.template_input(), tools, body.return_token_strs),
+        try:
+            options = body.chat_options()
+        except EngineInputError as exc:
+            raise OpenAIError(400, str(exc), exc.param)
+        tokens = await self._call(self.replica.tokenize(body.template_input(), tools, body.return_token_strs, options),
                                   self.args.request_timeout_s)
         self._raise_if_refused(tokens)
         info = await self._info()
@@ -353,9 +358,10 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> Genera
     name the field."""
     tools = _offered_tools(body)
     try:
+        chat = body.chat_options() if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
         return GenerationJob(request_id, prompt, _sampling_params(body, tools), body.n, body.cache_salt, tools,
                              echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
-                             stream_chunks_per_step=args.stream_chunks_per_step)
+                             stream_chunks_per_step=args.stream_chunks_per_step, chat=chat)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from serve_app.security import REQUEST_ID
 
+from engine.chat import ChatOptions
 from engine.errors import EngineInputError
 from engine.sampling_params import (MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
                                     MIN_REPETITION_PENALTY, StructuredOutput, count_objects)
@@ -414,6 +415,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None  # tags for stored completions; nothing is stored
+    # vLLM's chat extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # the model does not reason: there is never reasoning to include or leave out
+
+    def chat_options(self) -> ChatOptions:
+        """How the messages become the prompt; EngineInputError naming the field that cannot be."""
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
     @model_validator(mode="before")
     @classmethod
@@ -471,6 +481,12 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "TokenizeRequest":

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import SamplingParams
+from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.engine_stats import EngineStats
 
 
@@ -19,6 +20,7 @@ class GenerationJob:
     echo: bool = False  # completions: the prompt's text comes back in Admitted
     stream_interval: int | None = 1  # tokens per Delta after a choice's first; None: one Delta per choice, at its end
     stream_chunks_per_step: int | None = None  # set: stream_interval is the most, adapted to the replica's streams
+    chat: ChatOptions = DEFAULT_OPTIONS  # how chat messages become the prompt
 
 
 @dataclass

@@ -13,6 +13,7 @@ from ray import serve
 
 from engine import AsyncLLMEngine, EngineDeadError, EngineInputError, EngineOverloadedError, RequestOutput, SamplingParams
 from engine.async_engine import RequestStream
+from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.detokenizer import TokenTexts
 from engine.models import load_tokenizer
 from engine.metrics import StepMetrics
@@ -64,7 +65,7 @@ class EngineReplica:
         try:
             if job.params.structured_output is not None:
                 self.frontend.inputs.grammars.check(job.params.structured_output)
-            return self.frontend.inputs.tokenize(job.prompt, job.tools)
+            return self.frontend.inputs.tokenize(job.prompt, job.tools, job.chat)
         except Exception as exc:
             return _refusal(exc, job)
 
@@ -153,15 +154,17 @@ class EngineReplica:
         return [TokenLogprob(text, None, raw), *(_token_logprob(texts, token, entry, top)
                          for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
 
-    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool,
+                       chat: ChatOptions = DEFAULT_OPTIONS) -> Tokens | Refused:
         """The ids a generation with this prompt would start from (vLLM's /tokenize), on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokens, prompt, tools,
-                                                                with_strs)
+                                                                with_strs, chat)
 
-    def _tokens(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
+    def _tokens(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool,
+                chat: ChatOptions) -> Tokens | Refused:
         inputs = self.frontend.inputs
         try:
-            ids = inputs.tokenize(prompt, tools)
+            ids = inputs.tokenize(prompt, tools, chat)
         except EngineInputError as exc:
             return Refused(400, str(exc), exc.param)
         return Tokens(ids, inputs.tokenizer.convert_ids_to_tokens(ids) if with_strs else None)

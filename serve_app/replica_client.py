@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.app_deletion import AppDeletion
+from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from serve_app.protocol import GenerationJob, Refused, ReplicaStats, Tokens
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ class ReplicaClient(Protocol):
 
     async def info(self) -> dict: ...
 
-    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused: ...
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool,
+                       chat: ChatOptions = DEFAULT_OPTIONS) -> Tokens | Refused: ...
 
     async def detokenize(self, tokens: list[int]) -> str | Refused: ...
 
@@ -53,8 +55,9 @@ class RemoteReplica:
     async def info(self) -> dict:
         return await self.handle.info.remote()
 
-    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
-        return await self.handle.tokenize.remote(prompt, tools, with_strs)
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool,
+                       chat: ChatOptions = DEFAULT_OPTIONS) -> Tokens | Refused:
+        return await self.handle.tokenize.remote(prompt, tools, with_strs, chat)
 
     async def detokenize(self, tokens: list[int]) -> str | Refused:
         return await self.handle.detokenize.remote(tokens)
@@ -79,8 +82,9 @@ class LocalReplica:
     async def info(self) -> dict:
         return self.replica.info()
 
-    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool) -> Tokens | Refused:
-        return await self.replica.tokenize(prompt, tools, with_strs)
+    async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool,
+                       chat: ChatOptions = DEFAULT_OPTIONS) -> Tokens | Refused:
+        return await self.replica.tokenize(prompt, tools, with_strs, chat)
 
     async def detokenize(self, tokens: list[int]) -> str | Refused:
         return await self.replica.detokenize(tokens)

@@ -1,10 +1,11 @@
-"""Chat messages through the embedded model's template: text parts, tool turns, tools in the system prompt."""
+"""Chat messages through the embedded model's template: text parts, tool turns, tools in the system prompt, and
+the template options vLLM's clients send."""
 import json
 
 import pytest
 
 from engine import EngineConfig, EngineInputError
-from engine.chat import normalize, render
+from engine.chat import ChatOptions, normalize, render
 from engine.models import load_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -42,3 +43,20 @@ def test_tools_go_into_the_system_prompt_and_tool_turns_are_written_out(tokenize
 
 def test_the_developer_role_renders_as_system(tokenizer):
     assert render(tokenizer, normalize([{"role": "developer", "content": "x"}])).startswith("<|im_start|>system\nx")
+
+
+def test_a_continued_final_message_is_left_open_and_a_closed_prompt_opens_no_turn(tokenizer):
+    messages = normalize([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, the answer"}])
+    opened = render(tokenizer, messages[:1])
+    closed = render(tokenizer, messages[:1], options=ChatOptions(add_generation_prompt=False))
+    continued = render(tokenizer, messages, options=ChatOptions(add_generation_prompt=False, continue_final_message=True))
+    assert opened.startswith(closed) and opened != closed and "assistant" in opened[len(closed):]
+    assert continued.endswith("Well, the answer") and continued.startswith(opened)
+
+
+@pytest.mark.parametrize("options", [dict(continue_final_message=True), dict(template_kwargs={"tools": []}),
+                                     dict(template_kwargs={"bos_token": ""}), dict(template_kwargs={"a-b": 1}),
+                                     dict(template_kwargs={f"k{i}": i for i in range(33)})])
+def test_options_that_would_override_the_renderer_are_refused(options):
+    with pytest.raises(EngineInputError):
+        ChatOptions(**options)

@@ -51,7 +51,11 @@ EXAMPLES = {
     "max_repetition_pattern_size": {"max_repetition_pattern_size": 4},
     "mm_processor_kwargs": {"mm_processor_kwargs": {}}, "documents": {"documents": [{"title": "t", "text": "x"}]},
     "chat_template": {"chat_template": "{{ messages }}"}, "add_special_tokens": {"add_special_tokens": True},
-    "prompt_embeds": {"prompt_embeds": "AAAA"},
+    "prompt_embeds": {"prompt_embeds": "AAAA"}, "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+                               "add_generation_prompt": False, "continue_final_message": True},
+    "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+    "include_reasoning": {"include_reasoning": False},
 }
 
 

@@ -4,6 +4,7 @@ text, special tokens shown, the caller's request id. Which fields are refused is
 import json
 import re
 
+import httpx
 import openai
 import pytest
 
@@ -98,3 +99,34 @@ def test_the_callers_request_id_is_the_responses_id(client):
     stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
                                        extra_body={"request_id": "trace-8"})
     assert {chunk.id for chunk in stream} == {"trace-8"}
+
+
+def test_continue_final_message_continues_it_as_a_completion_of_the_same_tokens_would(client, serve_app):
+    """The chat reply of an open last message equals the completion of the ids /tokenize gives for the same
+    messages and options: the template left the message open, and the reply picks up inside it."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour I pick is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = httpx.post(serve_app["base_url"] + "/tokenize", json={"messages": messages, **options},
+                        headers={"Authorization": f"Bearer {serve_app['api_key']}"}, timeout=60).json()
+    assert tokens["count"] > 0
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.0,
+                                           extra_body=options)
+    completion = client.completions.create(model=MODEL, prompt=tokens["tokens"], max_tokens=12, temperature=0.0)
+    assert reply.choices[0].message.content == completion.choices[0].text
+    assert reply.usage.prompt_tokens == tokens["count"] == completion.usage.prompt_tokens
+    opened = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1)
+    closed = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1,
+                                            extra_body={"add_generation_prompt": False})
+    assert closed.usage.prompt_tokens < opened.usage.prompt_tokens  # no assistant turn opened
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"continue_final_message": True}, "continue_final_message"),  # with the default add_generation_prompt
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"eos_token": "x"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+], ids=["both-flags", "messages", "special-token", "not-identifier"])
+def test_chat_options_that_cannot_be_are_400s_naming_their_field(client, extra, field):
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, **extra)
+    assert refused.value.body["param"] == field, refused.value.body
