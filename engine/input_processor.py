@@ -35,7 +35,7 @@ class InputProcessor:
         params = params or SamplingParams()
         self._check_cache_salt(cache_salt)
         self._check_token_ids(params)
-        token_ids = self.tokenize(prompt, tools)
+        token_ids = self.truncated(self.tokenize(prompt, tools), params)
         max_tokens = self._validated_max_tokens(len(token_ids), params)
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)  # refuses a schema that cannot compile, here
@@ -60,6 +60,20 @@ class InputProcessor:
             self.check_in_vocabulary(prompt, "prompt")
             return list(prompt)
         raise EngineInputError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+    def truncated(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as leave room for max_tokens, or one
+        token, in the context and the KV cache), or all of it."""
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            room = min(self.limits.max_model_len, self.limits.kv_capacity_tokens)
+            keep = room - (params.max_tokens or 1)
+        if keep is None or len(token_ids) <= keep:
+            return token_ids
+        if keep < 1:
+            raise EngineInputError(f"max_tokens is {params.max_tokens}: no prompt fits beside it in the model's context "
+                                   f"of {self.limits.max_model_len}", "max_tokens")
+        return token_ids[-keep:]
 
     def check_in_vocabulary(self, token_ids: list[int], param: str) -> None:
         """EngineInputError naming `param` for the first id outside [0, vocab_size)."""

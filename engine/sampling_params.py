@@ -52,6 +52,8 @@ class SamplingParams:
     structured_output: "StructuredOutput | None" = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string ends the text after itself instead of before
+    # keep only the prompt's last k tokens; -1: as many as fit the context beside max_tokens (vLLM's field)
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,11 +78,15 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
-        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens"):
             if getattr(self, name) is not None and not _is_int(getattr(self, name)):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}", name)
         if not _is_int(self.top_k):
             bad(f"top_k must be an integer, got {self.top_k!r}", "top_k")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            bad(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}",
+                "truncate_prompt_tokens")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not self.temperature >= 0.0:

@@ -130,12 +130,16 @@ class Ingress:
     async def _respond_streamed(self, body: SamplingFields, jobs: list[GenerationJob], chat: bool, parse_tools: bool,
                                 request_id: str) -> StreamingResponse:
         started, n = await self._admit_all(jobs), body.n
-        choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "")
+        ids = body.return_token_ids
+        choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "",
+                                  pending_token_ids=[] if ids else None,
+                                  prompt_token_ids=None if chat else admitted.prompt_token_ids)
                    for k, (_, admitted) in enumerate(started) for i in range(n)]
         stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = self._sse(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
-                           include_usage, self._shows_cached_tokens(body), n)
+                           include_usage, self._shows_cached_tokens(body), n,
+                           started[0][1].prompt_token_ids if chat else None)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _respond_whole(self, body: SamplingFields, jobs: list[GenerationJob], chat: bool, parse_tools: bool,
@@ -148,12 +152,16 @@ class Ingress:
         for group, (admitted, _) in zip(groups, results):
             for choice in group:
                 choice.prefix = admitted.prompt_text or ""
+                choice.prompt_token_ids = None if chat else admitted.prompt_token_ids
         choices = [choice for group in groups for choice in group]
         tokens = sum(c.completion_tokens for c in choices)
         shown = sum(cached for _, cached in results) if self._shows_cached_tokens(body) else None
         prompt_tokens = sum(admitted.prompt_tokens for admitted, _ in results)
-        return CompletionResponse(completion_body(request_id, self.args.model_name, choices, chat,
-                                                  usage(prompt_tokens, tokens, shown), created))
+        response = completion_body(request_id, self.args.model_name, choices, chat, usage(prompt_tokens, tokens, shown),
+                                   created)
+        if chat and body.return_token_ids:  # vLLM's place for a chat's prompt ids; completions' are per choice
+            response["prompt_token_ids"] = results[0][0].prompt_token_ids
+        return CompletionResponse(response)
 
     def _whole(self, job: GenerationJob, choices: list[Choice]):
         return self._call(self._retrying_lost_replicas(lambda: self._generate_whole(job, choices)),
@@ -224,6 +232,7 @@ class Ingress:
         self._raise_if_refused(admitted)
         for choice in choices:  # a retry on another replica starts over
             choice.text, choice.logprobs, choice.prefix_logprobs = "", None, None
+            choice.token_ids = [] if job.return_token_ids else None
         cached_tokens = 0
         try:
             async for delta in stream:
@@ -232,7 +241,8 @@ class Ingress:
                 if delta.prompt_logprobs is not None:
                     for choice in choices:
                         choice.prefix_logprobs = delta.prompt_logprobs
-                choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs)
+                choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs,
+                                         delta.token_ids)
                 cached_tokens = delta.cached_tokens if delta.index == 0 else cached_tokens
             return admitted, cached_tokens
         except BaseException:
@@ -245,7 +255,8 @@ class Ingress:
                               self.args.retry_after_s if admitted.status in (429, 503) else None)
 
     async def _sse(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
-                   prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool, n: int = 1):
+                   prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool, n: int = 1,
+                   prompt_token_ids: list[int] | None = None):
         model, tokens = self.args.model_name, [0] * len(choices)
         cached = [0] * (len(choices) // n)  # each prompt's cached tokens, as its first choice reports them
         deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
@@ -264,8 +275,12 @@ class Ingress:
                 if delta.prompt_logprobs is not None:
                     for choice in choices[first:first + n]:
                         choice.score_prompt(delta.prompt_logprobs)
-                for choice in choices[first + delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs):
-                    yield sse(chunk_body(request_id, model, [choice], chat, created))
+                for choice in choices[first + delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs,
+                                                                  delta.token_ids):
+                    chunk = chunk_body(request_id, model, [choice], chat, created)
+                    if prompt_token_ids is not None:  # return_token_ids in a chat: on the stream's first chunk
+                        chunk["prompt_token_ids"], prompt_token_ids = prompt_token_ids, None
+                    yield sse(chunk)
             if include_usage:
                 final = chunk_body(request_id, model, [], chat, created)
                 final["usage"] = usage(prompt_tokens, sum(tokens), sum(cached) if shows_cached_tokens else None)
@@ -361,7 +376,8 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> Genera
         chat = body.chat_options() if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
         return GenerationJob(request_id, prompt, _sampling_params(body, tools), body.n, body.cache_salt, tools,
                              echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
-                             stream_chunks_per_step=args.stream_chunks_per_step, chat=chat)
+                             stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
+                             return_token_ids=body.return_token_ids)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 
@@ -373,7 +389,7 @@ def _sampling_params(body: SamplingFields, tools: list[dict] | None) -> Sampling
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens, logprobs=body.num_logprobs, skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
+        include_stop_str_in_output=body.include_stop_str_in_output, truncate_prompt_tokens=body.truncate_prompt_tokens,
         prompt_logprobs=body.num_logprobs if getattr(body, "echo", False) else None,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
         structured_output=_structured_output(body, tools))

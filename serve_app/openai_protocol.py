@@ -161,14 +161,12 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False, None), "beam search"),
     "length_penalty": ((1, 1.0, None), "length_penalty (a beam search's)"),
     "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens false"),
-    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens (a prompt that does not fit is refused, not cut)"),
     "prompt_logprobs": ((None,), "prompt_logprobs (completions score the prompt with echo and logprobs)"),
     "allowed_token_ids": ((None,), "allowed_token_ids (logit_bias or a choice or regex constraint instead)"),
     "bad_words": ((None, []), "bad_words"),
     "priority": ((0, None), "priority scheduling (requests are served first come, first served)"),
     "logits_processors": ((None, []), "custom logits processors"),
     "return_tokens_as_token_ids": ((False, None), "return_tokens_as_token_ids"),
-    "return_token_ids": ((False, None), "return_token_ids"),
     "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
     "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
     "max_repetition_pattern_size": ((0, None), "stopping on repeated token patterns"),
@@ -230,6 +228,8 @@ class SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None  # one backend here, llguidance: the choice changes nothing
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep the prompt's last k tokens")
+    return_token_ids: bool = False
     request_id: str | None = Field(default=None, pattern=REQUEST_ID.pattern,
                                    description="the response's id, as an X-Request-Id header would set it")
 

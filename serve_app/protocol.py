@@ -21,12 +21,14 @@ class GenerationJob:
     stream_interval: int | None = 1  # tokens per Delta after a choice's first; None: one Delta per choice, at its end
     stream_chunks_per_step: int | None = None  # set: stream_interval is the most, adapted to the replica's streams
     chat: ChatOptions = DEFAULT_OPTIONS  # how chat messages become the prompt
+    return_token_ids: bool = False  # the prompt's ids in Admitted, each delta's new ids in it (vLLM's field)
 
 
 @dataclass
 class Admitted:
     prompt_tokens: int
     prompt_text: str | None = None  # the prompt as text, for completions' echo
+    prompt_token_ids: list[int] | None = None  # when the job asks for token ids
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Delta:
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: every choice's, on the request's first delta
     error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
+    token_ids: list[int] | None = None  # the new tokens' ids, when the job asks for them
 
 
 @dataclass

@@ -65,7 +65,8 @@ class EngineReplica:
         try:
             if job.params.structured_output is not None:
                 self.frontend.inputs.grammars.check(job.params.structured_output)
-            return self.frontend.inputs.tokenize(job.prompt, job.tools, job.chat)
+            inputs = self.frontend.inputs
+            return inputs.truncated(inputs.tokenize(job.prompt, job.tools, job.chat), job.params)
         except Exception as exc:
             return _refusal(exc, job)
 
@@ -104,7 +105,8 @@ class EngineReplica:
         if self.args.log_prompts:
             log.info("request %s prompt=%r", job.request_id, job.prompt)
         try:
-            yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None)
+            yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None,
+                           list(prompt_ids) if job.return_token_ids else None)
             sent_tokens: list[int | None] = [None] * len(streams)  # None: nothing sent yet
             held_text: list[str] = [""] * len(streams)  # text of outputs not sent yet; the latest output has the rest
             prompt_scores: list[TokenLogprob] | None = None  # the first choice's, formatted once for every choice
@@ -120,7 +122,7 @@ class EngineReplica:
                 if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], interval):
                     _hold(streams[index], sent_tokens[index], interval)
                     continue  # a later choice waits for the first one's prompt scores (they come first in practice)
-                delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job.params.logprobs)
+                delta = self._delta(index, held_text[index], last, sent_tokens[index] or 0, job)
                 if prompt_scores is not None and not scores_sent:  # once for all n: each copy cost the ingress 40 ms
                     delta.prompt_logprobs, scores_sent = prompt_scores, True
                 if all(sent is None for sent in sent_tokens):  # the request's first chunk
@@ -140,13 +142,14 @@ class EngineReplica:
             return job.stream_interval
         return min(job.stream_interval, max(1, -(-self.frontend.num_open_streams // per_step)))
 
-    def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, top_logprobs: int | None) -> Delta:
-        logprobs = None
+    def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, job: GenerationJob) -> Delta:
+        logprobs, top_logprobs = None, job.params.logprobs
         if top_logprobs is not None and last.logprobs is not None:
             logprobs = [_token_logprob(self._token_texts, token, entry, top_logprobs)
                         for token, entry in zip(last.token_ids_since(sent_tokens), last.logprobs[sent_tokens:])]
-        return Delta(index, text, last.num_tokens, last.finish_reason,
-                     last.error, logprobs, last.num_cached_tokens, error_param=last.error_param)
+        return Delta(index, text, last.num_tokens, last.finish_reason, last.error, logprobs, last.num_cached_tokens,
+                     error_param=last.error_param,
+                     token_ids=list(last.token_ids_since(sent_tokens)) if job.return_token_ids else None)
 
     def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
         texts = self._scoring_texts

@@ -56,13 +56,17 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
     prefix: str = ""  # completions' echo
     prefix_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's
+    token_ids: list[int] | None = None  # return_token_ids: the output's ids ([] until they come; None: not asked)
+    prompt_token_ids: list[int] | None = None  # return_token_ids: completions give each choice its prompt's
 
     def add(self, text: str, completion_tokens: int, finish_reason: str | None,
-            logprobs: list[TokenLogprob] | None) -> None:
+            logprobs: list[TokenLogprob] | None, token_ids: list[int] | None = None) -> None:
         self.text += text
         self.completion_tokens, self.finish_reason = completion_tokens, finish_reason
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
+        if token_ids is not None:
+            self.token_ids = (self.token_ids or []) + token_ids
 
     def to_json(self) -> dict:
         if not self.chat:
@@ -71,7 +75,8 @@ class Choice:
             if self.logprobs is not None:
                 logprobs = completion_logprobs((self.prefix_logprobs or []) + self.logprobs,
                                                0 if self.prefix_logprobs else len(self.prefix))
-            return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+            return self._with_ids({"index": self.index, "text": text, "logprobs": logprobs,
+                                   "finish_reason": self.finish_reason}, self.prompt_token_ids)
         content, calls = tool_calls.parse(self.text) if self.parse_tool_calls else (self.text, [])
         message = {"role": "assistant", "content": content}
         finish_reason = self.finish_reason
@@ -79,7 +84,16 @@ class Choice:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_call_list(calls)]
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         logprobs = chat_logprobs(self.logprobs) if self.logprobs is not None else None
-        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._with_ids({"index": self.index, "message": message, "logprobs": logprobs,
+                               "finish_reason": finish_reason})
+
+    def _with_ids(self, choice: dict, prompt_token_ids: list[int] | None = None) -> dict:
+        """vLLM's `token_ids` (and, for completions, `prompt_token_ids`) on a choice, when asked for."""
+        if self.token_ids is not None:
+            choice["token_ids"] = self.token_ids
+            if prompt_token_ids is not None:
+                choice["prompt_token_ids"] = prompt_token_ids
+        return choice
 
 
 def completion_body(request_id: str, model: str, choices: list[Choice], chat: bool, usage_: dict,
@@ -103,16 +117,21 @@ class StreamedChoice:
     sent: int = 0
     text_offset: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_token_ids: list[int] | None = None  # return_token_ids: ids not yet sent ([]: asked, None: not)
+    prompt_token_ids: list[int] | None = None  # return_token_ids, completions: sent with the choice's first chunk
 
     def score_prompt(self, entries: list[TokenLogprob]) -> None:
         """Echo with logprobs: the prompt's scores lead this choice's first chunk."""
         if not self.started:
             self.pending_logprobs = entries + self.pending_logprobs
 
-    def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> list[dict]:
+    def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
+               token_ids: list[int] | None = None) -> list[dict]:
         """The chunk choices this delta makes (none while held back, unless it starts or ends the choice)."""
         self.text += text
         self.pending_logprobs += logprobs or []
+        if token_ids is not None and self.pending_token_ids is not None:
+            self.pending_token_ids += token_ids
         visible = tool_calls.safe_content_length(self.text) if self.parse_tool_calls else len(self.text)
         if finish_reason is not None:
             return self._final(finish_reason)
@@ -128,8 +147,8 @@ class StreamedChoice:
         if not calls:
             return [self._choice(held, finish_reason, logprobs=True)]
         out = [self._choice(content or "", None, logprobs=True)] if content or not self.started else []
-        out.append({"index": self.index, "delta": {"tool_calls": tool_call_list(calls)}, "logprobs": None,
-                    "finish_reason": None})
+        out.append(self._ids({"index": self.index, "delta": {"tool_calls": tool_call_list(calls)}, "logprobs": None,
+                              "finish_reason": None}))
         out.append({"index": self.index, "delta": {}, "logprobs": None,
                     "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason})
         return out
@@ -143,10 +162,19 @@ class StreamedChoice:
             offset = self.text_offset + (len(self.prefix) if first and not echoed_logprobs else 0)
             self.text_offset += len(text)
             lp = completion_logprobs(entries, offset) if logprobs and entries else None
-            return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            choice = self._ids({"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish_reason})
+            if first and self.prompt_token_ids is not None:
+                choice["prompt_token_ids"] = self.prompt_token_ids
+            return choice
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         lp = chat_logprobs(entries) if logprobs and entries else None
-        return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return self._ids({"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
+
+    def _ids(self, choice: dict) -> dict:
+        """vLLM's `token_ids` on a chunk choice: the ids that came since the last, when asked for."""
+        if self.pending_token_ids is not None:
+            choice["token_ids"], self.pending_token_ids = self.pending_token_ids, []
+        return choice
 
 
 def chunk_body(request_id: str, model: str, choices: list[dict], chat: bool, created: int) -> dict:

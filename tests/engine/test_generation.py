@@ -113,3 +113,15 @@ def test_the_choices_of_one_request_copy_the_prompts_partial_block_and_answer_as
     assert all(ids == alone for ids in finals.values()) and len(finals) == 4
     # the leader found its own earlier blocks but the last; each sibling computed only the prompt's last token
     assert engine.stats().prompt_tokens - computed_before == len(prompt) % 16 + 3
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm32):
+    ids = llm32.engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    (cut,) = llm32.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, truncate_prompt_tokens=5), use_tqdm=False)
+    (tail,) = llm32.generate([ids[-5:]], params, use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-5:] and cut.token_ids == tail.token_ids
+    context = llm32.inputs.limits.max_model_len  # -1: as many as fit beside max_tokens, without running them
+    request = llm32.inputs.process("fit", list(range(100, 100 + context + 50)),
+                                   SamplingParams(max_tokens=7, truncate_prompt_tokens=-1))
+    assert len(request.prompt_token_ids) == context - 7 and request.prompt_token_ids[-1] == 100 + context + 49

@@ -130,3 +130,42 @@ def test_chat_options_that_cannot_be_are_400s_naming_their_field(client, extra, 
     with pytest.raises(openai.BadRequestError) as refused:
         chat(client, **extra)
     assert refused.value.body["param"] == field, refused.value.body
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_chat_or_completion_prompt(client):
+    long = "Tell me about the sea. " * 20
+    completion = client.completions.create(model=MODEL, prompt=long, max_tokens=2,
+                                           extra_body={"truncate_prompt_tokens": 3})
+    assert completion.usage.prompt_tokens == 3  # the engine's test checks which three
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2,
+                                           extra_body={"truncate_prompt_tokens": 7})
+    assert reply.usage.prompt_tokens == 7
+
+
+def post(serve_app, path: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(serve_app["base_url"] + path, json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {serve_app['api_key']}"}, **kwargs)
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids_whole_and_streamed(serve_app):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = post(serve_app, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0.0,
+                                                     "return_token_ids": True}).json()
+    prompt = post(serve_app, "/tokenize", {"messages": messages}).json()["tokens"]
+    (choice,) = whole["choices"]
+    assert whole["prompt_token_ids"] == prompt and len(choice["token_ids"]) == whole["usage"]["completion_tokens"]
+    assert post(serve_app, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"] == choice["message"]["content"]
+    # a streamed completion, two greedy choices: each choice's chunks carry its new ids, its first its prompt's
+    body = {"prompt": "Colours: red,", "max_tokens": 10, "temperature": 0.0, "n": 2, "return_token_ids": True,
+            "stream": True, "ignore_eos": True}
+    ids, prompts = {0: [], 1: []}, {}
+    with httpx.stream("POST", serve_app["base_url"] + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {serve_app['api_key']}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    ids[c["index"]] += c["token_ids"]
+                    if "prompt_token_ids" in c:
+                        prompts.setdefault(c["index"], c["prompt_token_ids"])
+    expected = post(serve_app, "/tokenize", {"prompt": "Colours: red,"}).json()["tokens"]
+    assert prompts == {0: expected, 1: expected} and len(ids[0]) == 10 and ids[0] == ids[1]
