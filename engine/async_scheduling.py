@@ -54,11 +54,12 @@ def launch(batch: ScheduledBatch, step: StepLogits, tokens: torch.Tensor) -> InF
 def flies(seq: Sequence) -> bool:
     """Whether a running sequence's next step may be launched before its last token is read: a decode whose draw
     depends on nothing but that token, and needs no host work before or after it (no logprobs, bias, penalties,
-    grammar, bans before min_tokens)."""
+    grammar, allowed tokens, bad words, bans before min_tokens)."""
     params = seq.params
     return (seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
             and not params.has_penalties and params.logprobs is None
-            and not params.logit_bias and params.prompt_logprobs is None and seq.runtime.grammar is None
+            and not params.logit_bias and not params.restricts_vocabulary and params.prompt_logprobs is None
+            and seq.runtime.grammar is None
             and seq.num_output_tokens >= params.min_tokens)
 
 

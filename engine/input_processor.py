@@ -3,6 +3,7 @@ limits, and resolve max_tokens, so the core receives only requests it can run. T
 which its owner calls from one thread."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Union
 
@@ -35,6 +36,7 @@ class InputProcessor:
         params = params or SamplingParams()
         self._check_cache_salt(cache_salt)
         self._check_token_ids(params)
+        params = self._with_bad_words_tokenized(params)
         token_ids = self.truncated(self.tokenize(prompt, tools), params)
         max_tokens = self._validated_max_tokens(len(token_ids), params)
         if params.structured_output is not None:
@@ -99,10 +101,25 @@ class InputProcessor:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.limits.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise EngineInputError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})", name)
+
+    def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's rule: each word's tokens as written (leading spaces dropped), and with one leading space where
+        that gives as many tokens, the first of them different (a word inside a sentence)."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        words: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                words.append(spaced)
+        return dataclasses.replace(params, bad_words_token_ids=tuple(words))
 
     @staticmethod
     def _check_cache_salt(salt: str | None) -> None:

@@ -21,6 +21,7 @@ class RequestProgress:
     generator: torch.Generator | None
     max_tokens: int
     grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
+    allowed_token_ids: torch.Tensor | None = None  # params.allowed_token_ids, made a tensor once
     logprobs: list[dict[int, float]] | None = None  # of the tokens not yet sent
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
     sent_tokens: int = 0
@@ -34,6 +35,7 @@ def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
         generator=make_generator(params),
         max_tokens=request.max_tokens,
         grammar=grammar,
+        allowed_token_ids=None if params.allowed_token_ids is None else torch.tensor(sorted(set(params.allowed_token_ids))),
         logprobs=[] if params.logprobs is not None else None,
         prompt_logprobs=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
     )

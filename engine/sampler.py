@@ -91,12 +91,14 @@ class Sampler:
         banned_token_ids: list[Collection[int]] | None = None,
         grammar: GrammarMask | None = None,
         draft_token_ids: list[int | None] | None = None,
+        allowed_token_ids: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution), and
         its logprobs where asked for. Never an id outside [0, vocab).
 
-        Logprobs are the model's own (before any bias, mask or penalty). Then, in order: logit_bias, the tokens a
-        row may not produce yet (`banned_token_ids`: EOS and stop ids before min_tokens), the grammar's mask,
+        Logprobs are the model's own (before any bias, mask or penalty). Then, in order: logit_bias, the only tokens
+        a row may produce (`allowed_token_ids`), the tokens it may not produce now (`banned_token_ids`: EOS and stop
+        ids before min_tokens, bad words), the grammar's mask,
         penalties (repetition over prompt and output), then temperature and truncation.
 
         A row with a speculative draft returns the draft if it is accepted; a greedy row, by its argmax as always, a
@@ -106,11 +108,13 @@ class Sampler:
         on, so one constrained or sampled request does not tax its batch-mates."""
         n = len(params)
         banned_token_ids = banned_token_ids or [()] * n
+        allowed_token_ids = allowed_token_ids or [None] * n
         constrained = set(grammar.rows) if grammar is not None else set()
-        worked = [i for i, p in enumerate(params) if i in constrained or banned_token_ids[i] or not _plain_greedy(p)]
+        worked = [i for i, p in enumerate(params) if i in constrained or banned_token_ids[i]
+                  or allowed_token_ids[i] is not None or not _plain_greedy(p)]
         if len(worked) == n:
             return self._work(logits, params, generators, output_token_ids, prompt_token_ids, banned_token_ids,
-                              grammar, draft_token_ids)
+                              grammar, draft_token_ids, allowed_token_ids)
         tokens, logprobs = greedy_or_invalid(logits).tolist(), [None] * n  # no float copy of the logits
         if worked:
             pick = lambda values: [values[i] for i in worked] if values is not None else None  # noqa: E731
@@ -118,18 +122,18 @@ class Sampler:
             part_tokens, part_logprobs = self._work(
                 logits.index_select(0, rows), pick(params), pick(generators), pick(output_token_ids),
                 pick(prompt_token_ids), pick(banned_token_ids), grammar.within(worked) if grammar else None,
-                pick(draft_token_ids))
+                pick(draft_token_ids), pick(allowed_token_ids))
             for j, i in enumerate(worked):
                 tokens[i], logprobs[i] = part_tokens[j], part_logprobs[j]
         return tokens, logprobs
 
     def _work(self, logits, params, generators, output_token_ids, prompt_token_ids, banned_token_ids, grammar,
-              draft_token_ids) -> tuple[list[int], list[dict[int, float] | None]]:
+              draft_token_ids, allowed_token_ids) -> tuple[list[int], list[dict[int, float] | None]]:
         """The rows that need more than an argmax, on a float copy of their logits."""
         finite = finite_rows(logits)
         logits = logits.to(torch.float32, copy=True)  # worked on in place from here
         logprobs = self._logprobs(logits, params)
-        self._restrict(logits, params, banned_token_ids, grammar)
+        self._restrict(logits, params, banned_token_ids, grammar, allowed_token_ids)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, params, output_token_ids, prompt_token_ids)
         candidates = finite & (logits.amax(-1) > float("-inf"))  # a mask may leave a row nothing to choose
@@ -140,14 +144,22 @@ class Sampler:
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
-    def _restrict(logits, params, banned_token_ids, grammar) -> None:
-        """logit_bias, then the bans and the grammar mask, in place; one index_put per kind for the whole batch."""
+    def _restrict(logits, params, banned_token_ids, grammar, allowed_token_ids) -> None:
+        """logit_bias, then the allowed tokens, the bans and the grammar mask, in place; one index_put per kind for
+        the whole batch."""
         vocab, device = logits.shape[1], logits.device
         biased = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab]
         if biased:
             rows, tokens, biases = zip(*biased)
             logits.index_put_((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
                               torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        allowed = [(row, ids) for row, ids in enumerate(allowed_token_ids) if ids is not None]
+        if allowed:
+            keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
+            for j, (_, ids) in enumerate(allowed):
+                keep[j, to_device(ids, device)] = True
+            rows = torch.tensor([row for row, _ in allowed], device=device)
+            logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~keep, float("-inf")))
         banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids if t < vocab]
         if banned:
             rows, tokens = zip(*banned)
@@ -334,7 +346,8 @@ def nucleus_threshold_by_candidates(probs: torch.Tensor, top_p: torch.Tensor) ->
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
-    return p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
+    return (p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
+            and not p.restricts_vocabulary)
 
 
 def _marked_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

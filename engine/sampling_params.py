@@ -13,6 +13,7 @@ MAX_STOP_STRING_CHARS = 256  # a stream holds back this much text to catch a sto
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own bound
+MAX_BAD_WORDS = 128
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_REPETITION_PENALTY = 2.0
 # A floor far from where dividing a positive logit by the penalty overflows to inf and the softmax gives NaN (a fuzzed
@@ -54,6 +55,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string ends the text after itself instead of before
     # keep only the prompt's last k tokens; -1: as many as fit the context beside max_tokens (vLLM's field)
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (vLLM's field)
+    # never generated (vLLM's rule): a word's last token is banned where the output ends with the tokens before it
+    bad_words: list[str] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None  # the input processor's tokenization of bad_words
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +120,12 @@ class SamplingParams:
             bad("structured_output must be a StructuredOutput", "response_format")
         self._validate_logit_bias(bad)
         self._validate_stops(bad)
+        self._validate_vocabulary_limits(bad)
+
+    @property
+    def restricts_vocabulary(self) -> bool:
+        """Whether the sampler must mask tokens beyond logit_bias: allowed_token_ids or bad_words."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def _validate_logit_bias(self, bad) -> None:
         if self.logit_bias is None:
@@ -127,6 +138,16 @@ class SamplingParams:
                 bad(f"logit_bias keys must be token ids (non-negative integers), got {token!r}", "logit_bias")
             if not _is_number(bias) or not low <= bias <= high:
                 bad(f"logit_bias values must be numbers in [{low:g}, {high:g}], got {bias!r} for token {token}", "logit_bias")
+
+    def _validate_vocabulary_limits(self, bad) -> None:
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list) or not all(
+                _is_int(t) and t >= 0 for t in self.allowed_token_ids) or not self.allowed_token_ids):
+            bad("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad(f"bad_words must be at most {MAX_BAD_WORDS} strings, each with a non-space character", "bad_words")
+        if self.bad_words is not None and any(len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+            bad(f"a bad word may have at most {MAX_STOP_STRING_CHARS} characters", "bad_words")
 
     def _validate_stops(self, bad) -> None:
         if len(self.stop_strings) > MAX_STOP_STRINGS:

@@ -34,7 +34,8 @@ class StepSampler:
             per_row([seq.output_token_ids for seq in seqs]) if penalties else None,
             prompt_token_ids=per_row([seq.prompt_token_ids for seq in seqs]) if any(
                 p.repetition_penalty != 1.0 for p in params) else None,
-            banned_token_ids=per_row([self.not_yet_allowed(seq) for seq in seqs]),
+            banned_token_ids=per_row([self.banned(seq) for seq in seqs]),
+            allowed_token_ids=per_row([seq.runtime.allowed_token_ids for seq in seqs]),
             grammar=allowed_tokens(per_row([seq.runtime.grammar for seq in seqs]), step.logits.shape[1],
                                    step.logits.device),
             draft_token_ids=[d for seq in seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
@@ -46,12 +47,15 @@ class StepSampler:
         return self.sampler.tokens_on_device(step.logits, [seq.params for seq in step.seqs],
                                              [seq.runtime.generator for seq in step.seqs])
 
-    def not_yet_allowed(self, seq: Sequence) -> tuple[int, ...] | set[int]:
-        """Before min_tokens, the tokens that would end the request."""
+    def banned(self, seq: Sequence) -> tuple[int, ...] | set[int]:
+        """The tokens `seq` may not produce next: those that would end it before min_tokens, and the last token of
+        each bad word whose other tokens the output ends with."""
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            return ()
-        return set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        banned = () if seq.num_output_tokens >= params.min_tokens else \
+            set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        if params.bad_words_token_ids:
+            banned = set(banned).union(_bad_words_next(params.bad_words_token_ids, seq.output_token_ids))
+        return banned
 
     def record_prompt_logprobs(self, part: PromptLogits) -> None:
         """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""
@@ -59,3 +63,9 @@ class StepSampler:
         targets = seq.token_ids[first : first + part.logits.shape[0]]
         entries = self.sampler.prompt_logprobs(part.logits, targets, seq.params.prompt_logprobs)
         seq.runtime.prompt_logprobs[first : first + len(entries)] = entries
+
+
+def _bad_words_next(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> set[int]:
+    """The last token of each bad word whose earlier tokens end the output (a one-token word: always)."""
+    return {word[-1] for word in bad_words if len(word) <= len(output) + 1
+            and (len(word) == 1 or output[len(output) - len(word) + 1:] == list(word[:-1]))}

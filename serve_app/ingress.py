@@ -377,7 +377,8 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> Genera
         return GenerationJob(request_id, prompt, _sampling_params(body, tools), body.n, body.cache_salt, tools,
                              echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
                              stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
-                             return_token_ids=body.return_token_ids)
+                             return_token_ids=body.return_token_ids,
+                             return_tokens_as_token_ids=body.return_tokens_as_token_ids)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 
@@ -390,6 +391,7 @@ def _sampling_params(body: SamplingFields, tools: list[dict] | None) -> Sampling
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens, logprobs=body.num_logprobs, skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output, truncate_prompt_tokens=body.truncate_prompt_tokens,
+        allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
         prompt_logprobs=body.num_logprobs if getattr(body, "echo", False) else None,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
         structured_output=_structured_output(body, tools))

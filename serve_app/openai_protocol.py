@@ -12,7 +12,7 @@ from serve_app.security import REQUEST_ID
 
 from engine.chat import ChatOptions
 from engine.errors import EngineInputError
-from engine.sampling_params import (MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
+from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
                                     MIN_REPETITION_PENALTY, StructuredOutput, count_objects)
 
 MAX_TOOLS = 128  # OpenAI's own bound
@@ -162,11 +162,8 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((1, 1.0, None), "length_penalty (a beam search's)"),
     "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens false"),
     "prompt_logprobs": ((None,), "prompt_logprobs (completions score the prompt with echo and logprobs)"),
-    "allowed_token_ids": ((None,), "allowed_token_ids (logit_bias or a choice or regex constraint instead)"),
-    "bad_words": ((None, []), "bad_words"),
     "priority": ((0, None), "priority scheduling (requests are served first come, first served)"),
     "logits_processors": ((None, []), "custom logits processors"),
-    "return_tokens_as_token_ids": ((False, None), "return_tokens_as_token_ids"),
     "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
     "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
     "max_repetition_pattern_size": ((0, None), "stopping on repeated token patterns"),
@@ -230,6 +227,11 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep the prompt's last k tokens")
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": text cannot say every token
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
+                                                description="the only tokens the output may hold")
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS,
+                                        description="words the output may not hold, token by token as vLLM bans them")
     request_id: str | None = Field(default=None, pattern=REQUEST_ID.pattern,
                                    description="the response's id, as an X-Request-Id header would set it")
 

@@ -22,6 +22,7 @@ class GenerationJob:
     stream_chunks_per_step: int | None = None  # set: stream_interval is the most, adapted to the replica's streams
     chat: ChatOptions = DEFAULT_OPTIONS  # how chat messages become the prompt
     return_token_ids: bool = False  # the prompt's ids in Admitted, each delta's new ids in it (vLLM's field)
+    return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>" (vLLM's field)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -116,7 +117,8 @@ class EngineReplica:
                 held_text[index] += "".join(o.delta_text for o in outputs)
                 if index == 0 and prompt_scores is None and last.prompt_logprobs is not None:
                     prompt_scores = await asyncio.get_running_loop().run_in_executor(
-                        self._tokenizer_thread, self._prompt_logprobs, last, job.params.prompt_logprobs)
+                        self._tokenizer_thread, self._prompt_logprobs, last, job.params.prompt_logprobs,
+                        _token_id_text if job.return_tokens_as_token_ids else self._scoring_texts)
                 waits_for_scores = job.params.prompt_logprobs is not None and prompt_scores is None
                 interval = self._interval(job)
                 if (waits_for_scores and last.finish_reason is None) or not _due(last, sent_tokens[index], interval):
@@ -145,14 +147,15 @@ class EngineReplica:
     def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, job: GenerationJob) -> Delta:
         logprobs, top_logprobs = None, job.params.logprobs
         if top_logprobs is not None and last.logprobs is not None:
-            logprobs = [_token_logprob(self._token_texts, token, entry, top_logprobs)
+            texts = _token_id_text if job.return_tokens_as_token_ids else self._token_texts
+            logprobs = [_token_logprob(texts, token, entry, top_logprobs)
                         for token, entry in zip(last.token_ids_since(sent_tokens), last.logprobs[sent_tokens:])]
         return Delta(index, text, last.num_tokens, last.finish_reason, last.error, logprobs, last.num_cached_tokens,
                      error_param=last.error_param,
                      token_ids=list(last.token_ids_since(sent_tokens)) if job.return_token_ids else None)
 
-    def _prompt_logprobs(self, output: RequestOutput, top: int) -> list[TokenLogprob]:
-        texts = self._scoring_texts
+    @staticmethod
+    def _prompt_logprobs(output: RequestOutput, top: int, texts) -> list[TokenLogprob]:
         text, raw = texts(output.prompt_token_ids[0])
         return [TokenLogprob(text, None, raw), *(_token_logprob(texts, token, entry, top)
                          for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
@@ -206,7 +209,14 @@ class EngineReplica:
         self.close_engine()
 
 
-def _token_logprob(texts: TokenTexts, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
+def _token_id_text(token: int) -> tuple[str, list[int]]:
+    """return_tokens_as_token_ids: a token named by its id, as vLLM writes it (a piece of a character has no
+    text of its own)."""
+    text = f"token_id:{token}"
+    return text, list(text.encode())
+
+
+def _token_logprob(texts: Callable[[int], tuple[str, list[int]]], token: int, entry: dict[int, float], top: int) -> TokenLogprob:
     """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked."""
     text, raw = texts(token)
     ranked = []

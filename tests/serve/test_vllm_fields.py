@@ -169,3 +169,19 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids_whole_and_strea
                         prompts.setdefault(c["index"], c["prompt_token_ids"])
     expected = post(serve_app, "/tokenize", {"prompt": "Colours: red,"}).json()["tokens"]
     assert prompts == {0: expected, 1: expected} and len(ids[0]) == 10 and ids[0] == ids[1]
+
+
+def test_token_limits_and_token_id_names_reach_the_engine_through_http(client, serve_app):
+    digits = post(serve_app, "/tokenize", {"prompt": "0 1 2 3 4 5 6 7 8 9"}).json()["tokens"]
+    reply = chat(client, allowed_token_ids=digits, max_tokens=6, logprobs=True, top_logprobs=2,
+                 return_tokens_as_token_ids=True, ignore_eos=True).choices[0]
+    names = [entry.token for entry in reply.logprobs.content]
+    assert len(names) == 6 and all(re.fullmatch(r"token_id:\d+", name) for name in names), names
+    assert {int(name.split(":")[1]) for name in names} <= set(digits)
+    assert all(re.fullmatch(r"token_id:\d+", top.token) for entry in reply.logprobs.content for top in entry.top_logprobs)
+    free = chat(client, max_tokens=12).choices[0].message.content
+    word = free.split()[0].strip(".,!?")
+    assert word.lower() not in chat(client, max_tokens=12, bad_words=[word]).choices[0].message.content.lower()[:len(word) + 2]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, allowed_token_ids=[10 ** 7])
+    assert refused.value.body["param"] == "allowed_token_ids", refused.value.body

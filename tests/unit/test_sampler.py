@@ -310,3 +310,12 @@ def test_tokens_left_on_the_device_are_the_tokens_the_sampler_gives(knobs):
     got = Sampler().tokens_on_device(logits, params, [make_generator(p) for p in params])
     assert got.tolist() == expected
     assert expected[1] == expected[3] == INVALID_TOKEN and INVALID_TOKEN not in expected[::2]
+
+
+def test_allowed_token_ids_are_the_only_draws_and_keep_the_models_logprobs():
+    params = SamplingParams(temperature=1.0, seed=3, logprobs=0, allowed_token_ids=[2, 6])
+    allowed, g = [torch.tensor([2, 6])], make_generator(params)
+    picks = [Sampler()(LOGITS, [params], [g], [[]], allowed_token_ids=allowed) for _ in range(300)]
+    assert {tokens[0] for tokens, _ in picks} == {2, 6}
+    token, entry = picks[0][0][0], picks[0][1][0]
+    assert entry[token] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[token]))

@@ -14,7 +14,8 @@ EOS, STOP, VOCAB = 7, 5, 16
 def sequence(request_id: str, params: SamplingParams, outputs: list[int] = ()) -> Sequence:
     seq = Sequence(request_id, [1, 2, 3], params)
     seq.token_ids += outputs
-    seq.runtime = SimpleNamespace(generator=None, grammar=None)  # greedy rows draw nothing; no grammar
+    allowed = None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids)
+    seq.runtime = SimpleNamespace(generator=None, grammar=None, allowed_token_ids=allowed)  # greedy: nothing drawn
     return seq
 
 
@@ -49,3 +50,23 @@ def test_a_sequence_with_drafts_gets_one_row_per_draft_and_a_bonus_row():
     tokens, logprobs = StepSampler({EOS})(step, {"drafting": [11, 4]})
     assert tokens == [11, 12, 13, 14]  # greedy rows keep their argmax, draft or not
     assert logprobs == [None] * 4
+
+
+def test_a_bad_words_last_token_is_banned_only_where_the_output_ends_with_its_other_tokens():
+    words = ((EOS,), (9, 10, 3), (4,))
+    params = SamplingParams(temperature=0.0, max_tokens=8, bad_words=["x"], bad_words_token_ids=words)
+    prefers = [3, EOS, 4, 6]
+    middle, elsewhere, short = (sequence(name, params, outputs=out)
+                                for name, out in (("middle", [1, 9, 10]), ("elsewhere", [9, 11]), ("short", [])))
+    step = StepLogits([middle, elsewhere, short], logits_preferring(prefers, prefers, prefers), [1, 1, 1], [])
+    tokens, _ = StepSampler({0})(step, {})
+    assert tokens == [6, 3, 3]  # 9 10 then 3 is the word; one-token words are banned everywhere
+
+
+def test_allowed_token_ids_limit_a_row_and_not_its_batch_mates():
+    only = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=[6, 4])
+    free = SamplingParams(temperature=0.0, max_tokens=8)
+    step = StepLogits([sequence("only", only), sequence("free", free)],
+                      logits_preferring([3, 4, 6], [3, 4, 6]), [1, 1], [])
+    tokens, _ = StepSampler({EOS})(step, {})
+    assert tokens == [4, 3]
