@@ -59,6 +59,9 @@ class EngineConfig(BaseModel):
         "the most prompt tokens one request computes in a step (vLLM's flag): a long prompt is spread over more, "
         "shorter steps, so the streams decoding beside it wait less for their next token; None: up to "
         "max_num_batched_tokens"))
+    scheduling_policy: Literal["fcfs", "priority"] = Field(default="fcfs", description=(
+        "fcfs: requests are served in arrival order and a request's priority must be 0; priority: by the request's "
+        "priority (lower first), then arrival, and preemption takes the last in that order (vLLM's flag)"))
     max_model_len: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = Field(default="auto", description=(

@@ -27,6 +27,7 @@ class EngineRequest(msgspec.Struct):
     arrival_time: float  # time.monotonic(): one clock for every process on the host
     cache_salt: str | None = None
     prompt_leader: str | None = None  # an earlier request with the same prompt (the choices of n > 1)
+    priority: int = 0  # the scheduling policy "priority" serves a lower value first
 
 
 class CoreInputs(msgspec.Struct):

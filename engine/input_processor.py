@@ -17,6 +17,7 @@ from engine.structured_output import GrammarChecker, GrammarCompiler
 Messages = chat.Messages
 Prompt = Union[str, list[int], Messages]
 MAX_CACHE_SALT_CHARS = 256
+MAX_PRIORITY = 1 << 31
 
 
 class InputProcessor:
@@ -31,10 +32,11 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
-                prompt_leader: str | None = None) -> EngineRequest:
+                prompt_leader: str | None = None, priority: int = 0) -> EngineRequest:
         """Validate and tokenize; EngineInputError names the field at fault."""
         params = params or SamplingParams()
         self._check_cache_salt(cache_salt)
+        self._check_priority(priority)
         self._check_token_ids(params)
         params = self._with_bad_words_tokenized(params)
         token_ids = self.truncated(self.tokenize(prompt, tools), params)
@@ -42,7 +44,8 @@ class InputProcessor:
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)  # refuses a schema that cannot compile, here
         return EngineRequest(request_id, token_ids, params, max_tokens,
-                             time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader)
+                             time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader,
+                             priority)
 
     def tokenize(self, prompt: Prompt, tools: list[dict] | None = None,
                  options: chat.ChatOptions = chat.DEFAULT_OPTIONS) -> list[int]:
@@ -120,6 +123,13 @@ class InputProcessor:
             if len(spaced) == len(bare) and spaced[0] != bare[0]:
                 words.append(spaced)
         return dataclasses.replace(params, bad_words_token_ids=tuple(words))
+
+    def _check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise EngineInputError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
+        if priority and self.config.scheduling_policy != "priority":
+            raise EngineInputError(f"priority is {priority}, but this server schedules first come, first served "
+                                   "(scheduling_policy fcfs): only 0 is served", "priority")
 
     @staticmethod
     def _check_cache_salt(salt: str | None) -> None:

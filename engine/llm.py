@@ -48,15 +48,19 @@ class LLM:
         return self.core.engine
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Each prompt's final output, in order. `priority`: one per prompt, under the priority policy (vLLM's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
+        priorities = priority if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise EngineInputError(f"got {len(priorities)} priorities for {len(prompts)} prompts", "priority")
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(request_id, prompt, p, final_only=True)
+        for request_id, prompt, p, rank in zip(ids, prompts, params_list, priorities):
+            self.add_request(request_id, prompt, p, final_only=True, priority=rank)
         finals: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
@@ -76,13 +80,13 @@ class LLM:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, tools: list[dict] | None = None,
-                    prompt_leader: str | None = None, final_only: bool = False) -> None:
+                    prompt_leader: str | None = None, final_only: bool = False, priority: int = 0) -> None:
         """Validate, tokenize and enqueue (EngineInputError names the field at fault). Requests with a `cache_salt`
         share prefix-cache blocks only with requests carrying the same salt; one naming a `prompt_leader` (an
         earlier request with the same prompt, as the choices of n > 1 are) shares that request's prompt blocks.
         With `final_only`, `step` reports the request once, finished."""
         request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, tools=tools,
-                                      prompt_leader=prompt_leader)
+                                      prompt_leader=prompt_leader, priority=priority)
         self.outputs.add(request, final_only)
         try:
             self.core.add(request)

@@ -76,7 +76,7 @@ class LLMEngine:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, config.scheduling_policy == "priority")
         self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
                                   sorted(self.eos_token_ids))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
@@ -125,7 +125,8 @@ class LLMEngine:
         prompt, as the choices of n > 1 are) waits for it to compute the prompt and then shares its blocks."""
         params = request.params
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
-        seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time, request.cache_salt)
+        seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time, request.cache_salt,
+                       request.priority)
         seq.runtime = new_progress(request, grammar)
         self.inbox.put(seq, request.prompt_leader)
         return seq

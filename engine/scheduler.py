@@ -1,6 +1,8 @@
-"""Iteration-level scheduler: FCFS, chunked prefill mixed with decode, preemption by recompute. Torch-free."""
+"""Iteration-level scheduler: FCFS or by priority, chunked prefill mixed with decode, preemption by recompute.
+Torch-free."""
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,6 +15,10 @@ from engine.sequence import Sequence, SequenceStatus
 # the CPU config's 1,024 a step of 128 scored tokens over a 4k-token context takes 0.3-0.45 s on 2 cores in fp32, so
 # another client's stream keeps a token a second under an echo attack; the GPU config's 4,096 scores 512 a step.
 SCORED_SHARE = 8
+
+
+def _serving_key(seq: Sequence) -> tuple[int, float]:
+    return seq.priority, seq.metrics.arrival_time
 
 
 def _scoring_prompt(seq: Sequence) -> bool:
@@ -48,15 +54,20 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Both queues are kept in serving order: arrival (FCFS), or (priority, arrival) with `by_priority`, as vLLM's
+    priority policy orders them (a lower value first). A step serves the running queue from its front and preempts
+    from its back, so the last served is the first preempted, under either order."""
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int | None = None):
+                 long_prefill_token_threshold: int | None = None, by_priority: bool = False):
         self.block_manager = block_manager
+        self.by_priority = by_priority
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens  # one request's tokens in a step
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest first; preemption takes from the end
+        self.running: list[Sequence] = []  # in serving order; preemption takes from the end
         self.num_preemptions = 0
         self.max_scored_tokens = max(1, max_num_batched_tokens // SCORED_SHARE)
         self._scored_left = self.max_scored_tokens  # of this step's prompt tokens for requests that score their prompt
@@ -67,7 +78,14 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq)
+
+    def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
+        """At the back, or after every sequence served before it (equal keys keep their arrival order)."""
+        if self.by_priority:
+            queue.insert(bisect.bisect_right(queue, _serving_key(seq), key=_serving_key), seq)
+        else:
+            queue.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -169,7 +187,7 @@ class Scheduler:
                 batch.block_copies.append((tail, seq.block_table[len(matched)]))
                 self.block_manager.mark_computed(seq, num_cached)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._enqueue(self.running, seq)
             batch.add(seq, num_new)
             self._took(seq, num_new)
             budget -= num_new
@@ -214,7 +232,10 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._enqueue(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)  # it arrived before anything still waiting
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
         """Advance past the real tokens of the step; a draft's position counts once it is confirmed (accept_draft)."""

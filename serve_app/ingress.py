@@ -378,7 +378,7 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> Genera
                              echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
                              stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
                              return_token_ids=body.return_token_ids,
-                             return_tokens_as_token_ids=body.return_tokens_as_token_ids)
+                             return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 

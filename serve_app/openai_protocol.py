@@ -162,7 +162,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((1, 1.0, None), "length_penalty (a beam search's)"),
     "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens false"),
     "prompt_logprobs": ((None,), "prompt_logprobs (completions score the prompt with echo and logprobs)"),
-    "priority": ((0, None), "priority scheduling (requests are served first come, first served)"),
     "logits_processors": ((None, []), "custom logits processors"),
     "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
     "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
@@ -227,6 +226,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep the prompt's last k tokens")
     return_token_ids: bool = False
+    priority: int = Field(default=0, description="under the engine's priority policy, a lower value is served first")
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": text cannot say every token
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
                                                 description="the only tokens the output may hold")

@@ -23,6 +23,7 @@ class GenerationJob:
     chat: ChatOptions = DEFAULT_OPTIONS  # how chat messages become the prompt
     return_token_ids: bool = False  # the prompt's ids in Admitted, each delta's new ids in it (vLLM's field)
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>" (vLLM's field)
+    priority: int = 0  # the engine's priority policy serves a lower value first; its fcfs policy refuses any other
 
 
 @dataclass

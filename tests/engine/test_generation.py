@@ -2,6 +2,7 @@
 import pytest
 
 from engine import SamplingParams
+from engine.errors import EngineInputError
 
 CHAT = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 
@@ -125,3 +126,17 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm32):
     request = llm32.inputs.process("fit", list(range(100, 100 + context + 50)),
                                    SamplingParams(max_tokens=7, truncate_prompt_tokens=-1))
     assert len(request.prompt_token_ids) == context - 7 and request.prompt_token_ids[-1] == 100 + context + 49
+
+
+def test_the_priority_policy_serves_lower_values_first_and_fcfs_refuses_any_but_0(llm32):
+    from engine import LLM
+
+    llm = LLM(dtype="float32", num_kv_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    outputs = llm.generate(["one", "two", "three", "four"], params, use_tqdm=False, priority=[2, 0, 1, 0])
+    order = sorted(range(4), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert order == [1, 3, 2, 0]
+    assert outputs[2].token_ids == llm32.generate(["three"], params, use_tqdm=False)[0].token_ids
+    with pytest.raises(EngineInputError) as refused:
+        llm32.generate(["one"], params, use_tqdm=False, priority=[1])
+    assert refused.value.param == "priority"

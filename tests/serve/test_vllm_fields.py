@@ -185,3 +185,10 @@ def test_token_limits_and_token_id_names_reach_the_engine_through_http(client, s
     with pytest.raises(openai.BadRequestError) as refused:
         chat(client, allowed_token_ids=[10 ** 7])
     assert refused.value.body["param"] == "allowed_token_ids", refused.value.body
+
+
+def test_priority_reaches_the_engine_whose_fcfs_policy_serves_only_0(client):
+    assert chat(client, priority=0, max_tokens=2).choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, priority=-3, max_tokens=2)
+    assert refused.value.body["param"] == "priority" and "scheduling_policy fcfs" in refused.value.body["message"]

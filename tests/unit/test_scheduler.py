@@ -14,15 +14,15 @@ class FakeEngine:
     """Drives the scheduler like LLMEngine.step does; the 'KV' of a slot is the token id computed into it."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, prefix_caching=True, drafts=0,
-                 wrong_draft_at=None, long_prefill=None):
+                 wrong_draft_at=None, long_prefill=None, by_priority=False):
         self.drafts, self.wrong_draft_at = drafts, wrong_draft_at  # speculative drafts per step; where one goes wrong
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, long_prefill)
+        self.scheduler = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, long_prefill, by_priority)
         self.pool = [None] * (num_blocks * block_size)
         self.finished: list[Sequence] = []
 
-    def add(self, rid, prompt, max_tokens, leader=None):
-        s = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens))
+    def add(self, rid, prompt, max_tokens, leader=None, priority=0):
+        s = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
         s.prompt_leader = leader  # a choice of the same n > 1 request, as RequestInbox sets it
         self.scheduler.add(s)
         return s
@@ -115,19 +115,23 @@ prompts = st.lists(st.integers(0, 3), min_size=1, max_size=40)  # a tiny vocabul
     abort_at=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 11)), max_size=4),
     choices=st.integers(1, 3),
     long_prefill=st.one_of(st.none(), st.integers(1, 24)),
+    priorities=st.one_of(st.none(), st.lists(st.integers(-2, 2), min_size=12, max_size=12)),
 )
 def test_random_workloads_keep_every_invariant_and_finish(requests, num_blocks, block_size, max_num_seqs, budget, abort_at,
-                                                          choices, long_prefill):
+                                                          choices, long_prefill, priorities):
     """With `choices` > 1 every request also has siblings (n > 1), which copy their leader's partial prompt block:
-    assert_context_intact reads the copy back. With `long_prefill`, no request computes more tokens in a step."""
+    assert_context_intact reads the copy back. With `long_prefill`, no request computes more tokens in a step. With
+    `priorities`, the priority policy orders both queues."""
     budget = max(budget, block_size)
-    engine = FakeEngine(num_blocks, block_size, max_num_seqs, budget, long_prefill=long_prefill)
+    engine = FakeEngine(num_blocks, block_size, max_num_seqs, budget, long_prefill=long_prefill,
+                        by_priority=priorities is not None)
     capacity = num_blocks * block_size
     seqs = []
     for i, (p, m) in enumerate(requests):
         if len(p) < capacity:
-            leader = engine.add(str(i), p, m)
-            seqs += [leader] + [engine.add(f"{i}.{c}", p, m, leader) for c in range(1, choices)]
+            rank = priorities[i] if priorities else 0
+            leader = engine.add(str(i), p, m, priority=rank)
+            seqs += [leader] + [engine.add(f"{i}.{c}", p, m, leader, rank) for c in range(1, choices)]
     aborts = dict(abort_at)
     for step in range(40):
         if step in aborts and aborts[step] < len(seqs) and not seqs[aborts[step]].is_finished:
@@ -194,6 +198,28 @@ def test_waiting_requests_are_admitted_in_arrival_order():
     engine.drain()
     first_scheduled = [s.metrics.first_scheduled_time for s in seqs]
     assert first_scheduled == sorted(first_scheduled)
+
+
+def test_the_priority_policy_admits_lower_values_first_then_by_arrival():
+    engine = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_tokens_per_step=16, by_priority=True)
+    ranks = [3, 1, 2, 1, 0]
+    seqs = [engine.add(str(i), [i, i + 1, i + 2], 3, priority=rank) for i, rank in enumerate(ranks)]
+    engine.drain()
+    order = sorted(seqs, key=lambda s: s.metrics.first_scheduled_time)
+    assert [s.request_id for s in order] == ["4", "1", "3", "2", "0"]
+
+
+def test_the_priority_policy_preempts_the_lowest_priority_however_old():
+    engine = FakeEngine(num_blocks=6, block_size=2, max_num_seqs=4, max_tokens_per_step=64, prefix_caching=False,
+                        by_priority=True)
+    old = engine.add("old", [1, 2, 3], 6, priority=5)
+    engine.step()
+    new = engine.add("new", [4, 5, 6], 6, priority=0)
+    preempted = []
+    while engine.scheduler.num_unfinished:
+        preempted += [s.request_id for s in engine.step().preempted]
+    assert preempted and set(preempted) == {"old"}
+    assert new.num_preemptions == 0 and old.is_finished
 
 
 def test_decode_and_prefill_chunks_share_a_step():
