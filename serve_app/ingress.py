@@ -23,7 +23,10 @@ from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                       TokenizeRequest)
 from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
-from serve_app.responses import Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse, usage
+from serve_app import responses_api
+from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
+                                 usage)
+from serve_app.responses_api import ResponsesRequest
 from serve_app.security import Guard, exposure_problem
 
 log = logging.getLogger("ray.serve")
@@ -32,7 +35,6 @@ CONTROL_TIMEOUT_S = 10.0  # model info and other short calls to the replica
 ADMISSION_ATTEMPTS = 6  # with a backoff of 0.05 s doubling: 1.55 s for Serve to drop a lost node's replicas
 ADMISSION_BACKOFF_S = 0.05
 ADMISSION_CHECK_S = 1.0  # an admission slower than this asks whether it can come at all
-KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see bytes
 
 
 def _proxy_host() -> str | None:
@@ -114,21 +116,43 @@ class Ingress:
         return self._model_info
 
     async def respond(self, body: SamplingFields, prompt, chat: bool, request: Request):
+        request_id = body.request_id or request.state.request_id
+        if body.stream:
+            chunks = await self.stream_chunks(body, prompt, chat, request_id)
+            return StreamingResponse(self._sse(chunks, request_id), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return CompletionResponse(await self.whole_body(body, prompt, chat, request_id))
+
+    async def respond_to_responses(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API (`POST /v1/responses`): the request becomes a chat completion, whose result or
+        chunks become a response object or its stream of typed events."""
+        request_id = f"resp_{request.state.request_id}"
+        try:
+            chat = body.chat_request()
+            messages = [m.for_template() for m in chat.messages]
+            if body.stream:
+                chunks = await self.stream_chunks(chat, messages, True, request_id)
+                events = responses_api.event_stream(chunks, body, request_id, self.args.model_name, _stream_error)
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            whole = await self.whole_body(chat, messages, True, request_id)
+        except OpenAIError as exc:
+            raise responses_api.renamed(exc) from None
+        return CompletionResponse(responses_api.response_object(whole, body, request_id, self.args.model_name))
+
+    def _jobs(self, body: SamplingFields, prompt, request_id: str) -> list[GenerationJob]:
         self._check_model(body.model)
         if body.n > self.args.max_n:
             raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
-        request_id = body.request_id or request.state.request_id
         prompts = body.prompts if isinstance(body, CompletionRequest) else [prompt]
         # a batch of prompts: one job each, its choices numbered after the prompts before it (k * n + i)
-        jobs = [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args)
+        return [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args)
                 for k, p in enumerate(prompts)]
-        parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
-        if body.stream:
-            return await self._respond_streamed(body, jobs, chat, parse_tools, request_id)
-        return await self._respond_whole(body, jobs, chat, parse_tools, request_id)
 
-    async def _respond_streamed(self, body: SamplingFields, jobs: list[GenerationJob], chat: bool, parse_tools: bool,
-                                request_id: str) -> StreamingResponse:
+    async def stream_chunks(self, body: SamplingFields, prompt, chat: bool, request_id: str):
+        """Admit every job (refusals raise here, before any header is sent), then the stream's chunks: dicts, and
+        None where a keep-alive is due."""
+        jobs = self._jobs(body, prompt, request_id)
+        parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
         started, n = await self._admit_all(jobs), body.n
         ids = body.return_token_ids
         choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "",
@@ -137,15 +161,15 @@ class Ingress:
                    for k, (_, admitted) in enumerate(started) for i in range(n)]
         stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = self._sse(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
-                           include_usage, self._shows_cached_tokens(body), n,
-                           started[0][1].prompt_token_ids if chat else None)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return self._chunks(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
+                            include_usage, self._shows_cached_tokens(body), n,
+                            started[0][1].prompt_token_ids if chat else None)
 
-    async def _respond_whole(self, body: SamplingFields, jobs: list[GenerationJob], chat: bool, parse_tools: bool,
-                             request_id: str) -> CompletionResponse:
+    async def whole_body(self, body: SamplingFields, prompt, chat: bool, request_id: str) -> dict:
         """Every prompt's choices, generated together; a replica lost for good mid-generation surfaces from _call:
         a 503 in the envelope, like any handle failure."""
+        jobs = self._jobs(body, prompt, request_id)
+        parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
         created, n = int(time.time()), body.n
         groups = [[Choice(k * n + i, chat, parse_tools) for i in range(n)] for k in range(len(jobs))]
         results = await _all([self._whole(job, group) for job, group in zip(jobs, groups)])
@@ -161,7 +185,7 @@ class Ingress:
                                    created)
         if chat and body.return_token_ids:  # vLLM's place for a chat's prompt ids; completions' are per choice
             response["prompt_token_ids"] = results[0][0].prompt_token_ids
-        return CompletionResponse(response)
+        return response
 
     def _whole(self, job: GenerationJob, choices: list[Choice]):
         return self._call(self._retrying_lost_replicas(lambda: self._generate_whole(job, choices)),
@@ -254,16 +278,28 @@ class Ingress:
             raise OpenAIError(admitted.status, admitted.message, admitted.param, admitted.code,
                               self.args.retry_after_s if admitted.status in (429, 503) else None)
 
-    async def _sse(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
-                   prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool, n: int = 1,
-                   prompt_token_ids: list[int] | None = None):
+    @staticmethod
+    async def _sse(chunks, request_id: str):
+        """Chat and completion chunks as SSE, an error after the headers in-band, then [DONE]. Closed at once when the
+        client goes, so the engine stops its requests then, not when the collector finds the generator."""
+        async with contextlib.aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    yield KEEP_ALIVE if chunk is None else sse(chunk)
+            except Exception as exc:  # headers are gone: report in-band, then end the stream properly
+                yield sse(_stream_error(exc, request_id))
+        yield "data: [DONE]\n\n"
+
+    async def _chunks(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
+                      prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool, n: int = 1,
+                      prompt_token_ids: list[int] | None = None):
         model, tokens = self.args.model_name, [0] * len(choices)
         cached = [0] * (len(choices) // n)  # each prompt's cached tokens, as its first choice reports them
         deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
         try:
             async for delta in _with_keep_alive(stream, self.args.sse_keepalive_s, deadline):
                 if delta is None:
-                    yield KEEP_ALIVE
+                    yield None
                     continue
                 job, delta = delta if isinstance(delta, tuple) else (0, delta)  # MergedStreams says whose
                 if delta.error:
@@ -280,16 +316,13 @@ class Ingress:
                     chunk = chunk_body(request_id, model, [choice], chat, created)
                     if prompt_token_ids is not None:  # return_token_ids in a chat: on the stream's first chunk
                         chunk["prompt_token_ids"], prompt_token_ids = prompt_token_ids, None
-                    yield sse(chunk)
+                    yield chunk
             if include_usage:
                 final = chunk_body(request_id, model, [], chat, created)
                 final["usage"] = usage(prompt_tokens, sum(tokens), sum(cached) if shows_cached_tokens else None)
-                yield sse(final)
-        except Exception as exc:  # headers are gone: report in-band, then end the stream properly
-            yield sse(_stream_error(exc, request_id))
+                yield final
         finally:
             stream.cancel()
-        yield "data: [DONE]\n\n"
 
     async def _call(self, awaitable, timeout_s: float):
         """Await a handle call within `timeout_s`, turning Serve's failures into OpenAI errors; a timeout's message
@@ -446,6 +479,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await ingress.respond(body, [m.for_template() for m in body.messages], chat=True, request=request)
+
+    @api.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await ingress.respond_to_responses(body, request)
 
     return api
 

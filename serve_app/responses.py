@@ -183,6 +183,7 @@ def chunk_body(request_id: str, model: str, choices: list[dict], chat: bool, cre
 
 
 _encode = msgspec.json.Encoder().encode
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see bytes
 
 
 class CompletionResponse(JSONResponse):
@@ -195,3 +196,8 @@ class CompletionResponse(JSONResponse):
 
 def sse(payload: dict) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
+
+
+def sse_event(kind: str, payload: dict) -> bytes:
+    """An SSE event with its type named, as the Responses API streams them."""
+    return b"event: " + kind.encode() + b"\ndata: " + _encode(payload) + b"\n\n"

@@ -13,12 +13,13 @@ def short(body):
     """Valid max_tokens values are shortened, and a missing one is set; invalid ones stay as generated."""
     if not isinstance(body, dict):
         return body
-    for key in ("max_tokens", "max_completion_tokens"):
+    keys = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    for key in keys:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and MAX_GENERATED_TOKENS < value <= 256:
             body[key] = MAX_GENERATED_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_GENERATED_TOKENS
+    if all(body.get(key) is None for key in keys):
+        body["max_output_tokens" if "input" in body else "max_tokens"] = MAX_GENERATED_TOKENS  # a response's spelling
     return body
 
 
@@ -27,7 +28,8 @@ def test_no_generated_request_gets_a_server_error(serve_app, auth):
     schema = schemathesis.openapi.from_url(serve_app["base_url"] + "/openapi.json", headers=auth)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models",
-                                                  "/v1/models/{model}", "/tokenize", "/detokenize", "/health"}
+                                                  "/v1/models/{model}", "/tokenize", "/detokenize", "/health",
+                                                  "/v1/responses"}
     for operation in operations:
 
         @given(case=operation.as_strategy())
