@@ -32,14 +32,15 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
-                prompt_leader: str | None = None, priority: int = 0) -> EngineRequest:
+                prompt_leader: str | None = None, priority: int = 0,
+                options: chat.ChatOptions = chat.DEFAULT_OPTIONS) -> EngineRequest:
         """Validate and tokenize; EngineInputError names the field at fault."""
         params = params or SamplingParams()
         self._check_cache_salt(cache_salt)
         self._check_priority(priority)
         self._check_token_ids(params)
         params = self._with_bad_words_tokenized(params)
-        token_ids = self.truncated(self.tokenize(prompt, tools), params)
+        token_ids = self.truncated(self.tokenize(prompt, tools, options), params)
         max_tokens = self._validated_max_tokens(len(token_ids), params)
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)  # refuses a schema that cannot compile, here

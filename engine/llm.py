@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.config import EngineConfig
 from engine.core_inline import InlineCore
 from engine.core_messages import CoreOutput
@@ -52,6 +53,23 @@ class LLM:
         """Each prompt's final output, in order. `priority`: one per prompt, under the priority policy (vLLM's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        return self._run(prompts, params, use_tqdm, priority)
+
+    def chat(self, conversations: list[Messages] | Messages,
+             params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             priority: list[int] | None = None) -> list[RequestOutput]:
+        """Each conversation's final output, rendered by the model's chat template as vLLM's LLM.chat does: with
+        `tools` offered, the assistant's turn opened or the last message continued, extra template variables."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
+        return self._run(list(conversations), params, use_tqdm, priority, tools, options)
+
+    def _run(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
+             priority: list[int] | None, tools: list[dict] | None = None,
+             options: ChatOptions = DEFAULT_OPTIONS) -> list[RequestOutput]:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
@@ -60,7 +78,7 @@ class LLM:
             raise EngineInputError(f"got {len(priorities)} priorities for {len(prompts)} prompts", "priority")
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
         for request_id, prompt, p, rank in zip(ids, prompts, params_list, priorities):
-            self.add_request(request_id, prompt, p, final_only=True, priority=rank)
+            self.add_request(request_id, prompt, p, tools=tools, final_only=True, priority=rank, options=options)
         finals: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
@@ -70,23 +88,18 @@ class LLM:
                         bar.update(1)
         return [finals[request_id] for request_id in ids]
 
-    def chat(self, conversations: list[Messages], params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        return self.generate(list(conversations), params, use_tqdm)
-
     # -- one request at a time, one step at a time ----------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, tools: list[dict] | None = None,
-                    prompt_leader: str | None = None, final_only: bool = False, priority: int = 0) -> None:
+                    prompt_leader: str | None = None, final_only: bool = False, priority: int = 0,
+                    options: ChatOptions = DEFAULT_OPTIONS) -> None:
         """Validate, tokenize and enqueue (EngineInputError names the field at fault). Requests with a `cache_salt`
         share prefix-cache blocks only with requests carrying the same salt; one naming a `prompt_leader` (an
         earlier request with the same prompt, as the choices of n > 1 are) shares that request's prompt blocks.
         With `final_only`, `step` reports the request once, finished."""
         request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, tools=tools,
-                                      prompt_leader=prompt_leader, priority=priority)
+                                      prompt_leader=prompt_leader, priority=priority, options=options)
         self.outputs.add(request, final_only)
         try:
             self.core.add(request)

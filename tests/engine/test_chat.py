@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine import EngineConfig, EngineInputError
+from engine import EngineConfig, EngineInputError, SamplingParams
 from engine.chat import ChatOptions, normalize, render
 from engine.models import load_tokenizer
 
@@ -60,3 +60,19 @@ def test_a_continued_final_message_is_left_open_and_a_closed_prompt_opens_no_tur
 def test_options_that_would_override_the_renderer_are_refused(options):
     with pytest.raises(EngineInputError):
         ChatOptions(**options)
+
+
+def test_the_offline_chat_takes_tools_and_template_options_as_vllms_does(llm32, tokenizer):
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}, {"role": "assistant", "content": "In Oslo it is"}]
+    params = {"max_tokens": 4, "temperature": 0.0}
+
+    (continued,) = llm32.chat(messages, SamplingParams(**params), use_tqdm=False, tools=[WEATHER],
+                              add_generation_prompt=False, continue_final_message=True)
+    text = render(tokenizer, normalize(messages), [WEATHER], ChatOptions(False, True))
+    assert continued.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert text.endswith("In Oslo it is") and "get_weather" in text
+    (plain,) = llm32.chat(messages[:1], SamplingParams(**params), use_tqdm=False)
+    assert plain.prompt_token_ids == tokenizer.encode(render(tokenizer, normalize(messages[:1])), add_special_tokens=False)
+    with pytest.raises(EngineInputError) as refused:
+        llm32.chat(messages, SamplingParams(**params), use_tqdm=False, continue_final_message=True)
+    assert refused.value.param == "continue_final_message"
