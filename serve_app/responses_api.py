@@ -128,7 +128,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | list[InputItem] = Field(min_length=1)
+    input: list[InputItem] = Field(min_length=1, description="a string is one user message")
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -157,6 +157,8 @@ class ResponsesRequest(BaseModel):
             for field, why in CHAT_ONLY_FIELDS.items():
                 if data.get(field) is not None:
                     raise refuse(field, why)
+            if isinstance(data.get("input"), str):  # one user message: so a bad item's error names the item
+                data = {**data, "input": [{"role": "user", "content": data["input"]}]}
             tools = data.get("tools")
             for i, tool in enumerate(tools if isinstance(tools, list) else ()):
                 if isinstance(tool, dict) and tool.get("type") != "function":
@@ -193,8 +195,7 @@ class ResponsesRequest(BaseModel):
     def _messages(self) -> list[dict]:
         """Chat messages: instructions first, as a system message; a run of function calls, one assistant turn."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [InputItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for item in items:
+        for item in self.input:
             if item.type == "message":
                 messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
             elif item.type == "function_call_output":

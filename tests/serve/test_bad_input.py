@@ -3,7 +3,7 @@ import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 OK_COMP = {"prompt": "hi", "max_tokens": 4}
 
@@ -85,6 +85,19 @@ CASES = [
     ("unknown route", "POST", "/v1/nothing", OK_CHAT, {}, 404, "not found"),
     ("wrong method", "GET", CHAT, None, {}, 405, ""),
     ("bad input when streaming is still a plain 400", "POST", CHAT, chat(stream=True, max_tokens=0), {}, 400, "max_tokens"),
+    # the Responses API: its own checks, the chat route's under its own names, and the engine's
+    ("responses: malformed json", "POST", RESPONSES, b'{"input": [', {}, 400, "JSON"),
+    ("responses: missing input", "POST", RESPONSES, {"max_output_tokens": 4}, {}, 400, "input"),
+    ("responses: an image part", "POST", RESPONSES, {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x/y.png"}]}]}, {}, 400, "only text parts"),
+    ("responses: unknown model", "POST", RESPONSES, {"input": "hi", "model": "gpt-9"}, {}, 404, "gpt-9"),
+    ("responses: input over context", "POST", RESPONSES, {"input": "hi " * 9000}, {}, 400, "input"),
+    ("responses: max_output_tokens over the limit", "POST", RESPONSES, {"input": "hi", "max_output_tokens": 257}, {},
+     400, "max_output_tokens is 257"),
+    ("responses: a chat spelling", "POST", RESPONSES, {"input": "hi", "messages": []}, {}, 400, "messages"),
+    ("responses: missing api key", "POST", RESPONSES, {"input": "hi"}, {"authorization": ""}, 401, "API key"),
+    ("responses: bad input when streaming is still a plain 400", "POST", RESPONSES,
+     {"input": "hi", "stream": True, "temperature": 5}, {}, 400, "temperature"),
 ]
 
 
