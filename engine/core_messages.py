@@ -52,6 +52,7 @@ class CoreOutput(msgspec.Struct):
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the request's first output
     error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
+    prompt_ranks: list[int | None] | None = None  # with prompt_logprobs: each prompt token's rank
 
 
 class MetricUpdate(msgspec.Struct, array_like=True):

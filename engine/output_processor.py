@@ -32,6 +32,7 @@ class RequestOutput:
     error_param: str | None = None  # the request field at fault, when the error is the request's own
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position, when asked for
+    prompt_ranks: list[int | None] | None = None  # with them, each prompt token's rank (1: the model's first choice)
     # The request's own list of output tokens, which only grows (as `logprobs` does): this output's are its first
     # num_tokens. A copy each output cost a stream O(length) a step (256 streams at 2,000 tokens: ~2 ms a step).
     live_token_ids: list[int] = field(default_factory=list, repr=False)
@@ -66,6 +67,7 @@ class RequestText:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     sent_text_len: int = 0
     sent_token_len: int = 0
     output_at: float = 0  # no output before this many tokens but the last (vLLM's FINAL_ONLY: never before it)
@@ -128,7 +130,7 @@ class OutputProcessor:
     def _append(self, request: RequestText, out: CoreOutput) -> tuple[str | None, str | None]:
         """Add the step's tokens to the text; the reason the request ended (here or in the core), and its error."""
         if out.prompt_logprobs is not None:
-            request.prompt_logprobs = out.prompt_logprobs
+            request.prompt_logprobs, request.prompt_ranks = out.prompt_logprobs, out.prompt_ranks
         token_ids, add_token = request.token_ids, request.detokenizer.add
         logprobs = request.logprobs if out.new_logprobs is not None else None
         for i, token in enumerate(out.new_token_ids):
@@ -180,6 +182,7 @@ class OutputProcessor:
             error_param=out.error_param,
             num_cached_tokens=out.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs,
+            prompt_ranks=request.prompt_ranks,
             live_token_ids=request.token_ids,
         )
         request.sent_text_len, request.sent_token_len = visible, num_tokens

@@ -24,6 +24,7 @@ class RequestProgress:
     allowed_token_ids: torch.Tensor | None = None  # params.allowed_token_ids, made a tensor once
     logprobs: list[dict[int, float]] | None = None  # of the tokens not yet sent
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank among the model's predictions there
     sent_tokens: int = 0
     error: str | None = None
     error_param: str | None = None  # the request field at fault, when the error is the request's own
@@ -38,6 +39,7 @@ def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
         allowed_token_ids=None if params.allowed_token_ids is None else torch.tensor(sorted(set(params.allowed_token_ids))),
         logprobs=[] if params.logprobs is not None else None,
         prompt_logprobs=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
+        prompt_ranks=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
     )
 
 
@@ -81,7 +83,8 @@ def core_output(seq: Sequence) -> CoreOutput:
         progress.logprobs = []
     progress.sent_tokens += len(new_tokens)
     return CoreOutput(seq.request_id, new_tokens, seq.metrics, seq.finish_reason, progress.error, new_logprobs,
-                      seq.num_cached_tokens or 0, progress.prompt_logprobs if first else None, progress.error_param)
+                      seq.num_cached_tokens or 0, progress.prompt_logprobs if first else None, progress.error_param,
+                      progress.prompt_ranks if first else None)
 
 
 def _grammar_failure(seq: Sequence, error: str) -> EngineInputError:

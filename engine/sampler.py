@@ -275,22 +275,25 @@ class Sampler:
         return torch.log_softmax(logits, dim=-1)
 
     @staticmethod
-    def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
-        """Per row, the logprob of its target token and of the `top` most likely, from the model's own logits; in
-        chunks of PROMPT_LOGPROB_ROWS, so the fp32 log-softmax of a long chunk costs a bounded [rows, vocab]."""
+    def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> tuple[list[dict[int, float]], list[int]]:
+        """Per row, the logprob of its target token and of the `top` most likely, and the target's rank (1: the most
+        likely), from the model's own logits; in chunks of PROMPT_LOGPROB_ROWS, so the fp32 log-softmax of a long
+        chunk costs a bounded [rows, vocab]."""
         entries: list[dict[int, float]] = []
+        ranks: list[int] = []
         for start in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
             rows = logits[start : start + PROMPT_LOGPROB_ROWS]
             logprobs = torch.log_softmax(rows.float(), dim=-1)
             chunk_targets = targets[start : start + rows.shape[0]]
-            chosen = logprobs.gather(1, torch.tensor(chunk_targets, device=logits.device)[:, None]).squeeze(1).tolist()
-            chunk = [{token: value} for token, value in zip(chunk_targets, chosen)]
+            chosen = logprobs.gather(1, torch.tensor(chunk_targets, device=logits.device)[:, None])
+            ranks += ((logprobs > chosen).sum(-1) + 1).tolist()
+            chunk = [{token: value} for token, value in zip(chunk_targets, chosen.squeeze(1).tolist())]
             if top:
                 best = logprobs.topk(top, dim=-1)
                 for entry, ids, values in zip(chunk, best.indices.tolist(), best.values.tolist()):
                     entry.update(zip(ids, values))
             entries += chunk
-        return entries
+        return entries, ranks
 
     @staticmethod
     def _pick_logprobs(logprobs, tokens, params) -> list[dict[int, float] | None]:

@@ -61,8 +61,9 @@ class StepSampler:
         """By position, so a retried step or a recomputed (preempted) prompt writes the same entries again."""
         seq, first = part.seq, part.first_position
         targets = seq.token_ids[first : first + part.logits.shape[0]]
-        entries = self.sampler.prompt_logprobs(part.logits, targets, seq.params.prompt_logprobs)
+        entries, ranks = self.sampler.prompt_logprobs(part.logits, targets, seq.params.prompt_logprobs)
         seq.runtime.prompt_logprobs[first : first + len(entries)] = entries
+        seq.runtime.prompt_ranks[first : first + len(ranks)] = ranks
 
 
 def _bad_words_next(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> set[int]:

@@ -25,7 +25,7 @@ from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
 from serve_app import responses_api
 from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
-                                 usage)
+                                 usage, vllm_prompt_logprobs)
 from serve_app.responses_api import ResponsesRequest
 from serve_app.security import Guard, exposure_problem
 
@@ -185,6 +185,8 @@ class Ingress:
                                    created)
         if chat and body.return_token_ids:  # vLLM's place for a chat's prompt ids; completions' are per choice
             response["prompt_token_ids"] = results[0][0].prompt_token_ids
+        if chat and body.prompt_logprobs is not None:  # vLLM's place for a chat's; completions' are per choice
+            response["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_scores)
         return response
 
     def _whole(self, job: GenerationJob, choices: list[Choice]):
@@ -255,7 +257,7 @@ class Ingress:
         stream, admitted = await self._admit(job)
         self._raise_if_refused(admitted)
         for choice in choices:  # a retry on another replica starts over
-            choice.text, choice.logprobs, choice.prefix_logprobs = "", None, None
+            choice.text, choice.logprobs, choice.prefix_logprobs, choice.prompt_scores = "", None, None, None
             choice.token_ids = [] if job.return_token_ids else None
         cached_tokens = 0
         try:
@@ -263,8 +265,9 @@ class Ingress:
                 if delta.error:
                     raise _generation_failed(delta)
                 if delta.prompt_logprobs is not None:
-                    for choice in choices:
-                        choice.prefix_logprobs = delta.prompt_logprobs
+                    for choice in choices:  # echo's, in OpenAI's logprobs; or vLLM's prompt_logprobs
+                        choice.prefix_logprobs = delta.prompt_logprobs if job.echo else None
+                        choice.prompt_scores = None if job.echo else delta.prompt_logprobs
                 choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs,
                                          delta.token_ids)
                 cached_tokens = delta.cached_tokens if delta.index == 0 else cached_tokens
@@ -425,7 +428,7 @@ def _sampling_params(body: SamplingFields, tools: list[dict] | None) -> Sampling
         min_tokens=body.min_tokens, logprobs=body.num_logprobs, skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output, truncate_prompt_tokens=body.truncate_prompt_tokens,
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-        prompt_logprobs=body.num_logprobs if getattr(body, "echo", False) else None,
+        prompt_logprobs=body.num_logprobs if body.scores_prompt_by_echo else body.prompt_logprobs,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
         structured_output=_structured_output(body, tools))
 

@@ -161,7 +161,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False, None), "beam search"),
     "length_penalty": ((1, 1.0, None), "length_penalty (a beam search's)"),
     "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens false"),
-    "prompt_logprobs": ((None,), "prompt_logprobs (completions score the prompt with echo and logprobs)"),
     "logits_processors": ((None, []), "custom logits processors"),
     "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
     "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
@@ -226,6 +225,8 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep the prompt's last k tokens")
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                        description="each prompt token's logprob and rank, with this many alternatives")
     priority: int = Field(default=0, description="under the engine's priority policy, a lower value is served first")
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": text cannot say every token
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
@@ -243,6 +244,20 @@ class SamplingFields(BaseModel):
                 if field in data and data[field] not in default:
                     raise refuse(field, why)
         return data
+
+    @model_validator(mode="after")
+    def _prompt_scored_once(self) -> "SamplingFields":
+        if self.prompt_logprobs is not None and self.stream:
+            raise refuse("prompt_logprobs", "prompt_logprobs in a stream (as vLLM: score the prompt without streaming)")
+        if self.prompt_logprobs is not None and self.scores_prompt_by_echo:
+            raise refuse("prompt_logprobs", "prompt_logprobs beside echo with logprobs (each scores the prompt: "
+                         "ask for one)")
+        return self
+
+    @property
+    def scores_prompt_by_echo(self) -> bool:
+        """Completions' echo with logprobs, which scores the prompt in OpenAI's format."""
+        return False
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "SamplingFields":
@@ -304,6 +319,10 @@ class CompletionRequest(SamplingFields):
             raise PydanticCustomError("prompt", "at most {limit} prompts in one request, got {count}",
                                       {"limit": MAX_PROMPTS, "count": len(self.prompts), "path": "prompt"})
         return self
+
+    @property
+    def scores_prompt_by_echo(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -55,6 +55,10 @@ class TokenLogprob:
     logprob: float | None  # None for a prompt's first token, which nothing predicts
     bytes: list[int]
     top: list[tuple[str, float, list[int]]] = field(default_factory=list)  # most likely first
+    # a prompt token's, for vLLM's prompt_logprobs (keyed by token id, with ranks): its id, its rank, the top's ids
+    token_id: int | None = None
+    rank: int | None = None
+    top_ids: list[int] | None = None
 
 
 @dataclass

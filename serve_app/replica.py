@@ -77,8 +77,9 @@ class EngineReplica:
             return token_ids
         limit = self.args.max_prompt_logprob_tokens
         if job.params.prompt_logprobs is not None and len(token_ids) > limit:
-            return Refused(400, f"echo with logprobs scores every prompt token; this prompt has {len(token_ids)} "
-                                f"tokens and the server scores at most {limit}", "echo")
+            field = "echo" if job.echo else "prompt_logprobs"  # echo with logprobs, or vLLM's field
+            return Refused(400, f"{'echo with logprobs' if job.echo else field} scores every prompt token; this "
+                                f"prompt has {len(token_ids)} tokens and the server scores at most {limit}", field)
         streams: list[RequestStream] = []
         try:
             for index in range(job.n):
@@ -156,9 +157,12 @@ class EngineReplica:
 
     @staticmethod
     def _prompt_logprobs(output: RequestOutput, top: int, texts) -> list[TokenLogprob]:
-        text, raw = texts(output.prompt_token_ids[0])
-        return [TokenLogprob(text, None, raw), *(_token_logprob(texts, token, entry, top)
-                         for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))]
+        """Every prompt token's score, with its id and rank (vLLM's prompt_logprobs shows them)."""
+        ids = output.prompt_token_ids
+        text, raw = texts(ids[0])
+        scores = [TokenLogprob(text, None, raw, token_id=ids[0])]
+        return scores + [_token_logprob(texts, token, entry, top, rank) for token, entry, rank
+                         in zip(ids[1:], output.prompt_logprobs[1:], output.prompt_ranks[1:])]
 
     async def tokenize(self, prompt: str | list[dict], tools: list[dict] | None, with_strs: bool,
                        chat: ChatOptions = DEFAULT_OPTIONS) -> Tokens | Refused:
@@ -216,14 +220,17 @@ def _token_id_text(token: int) -> tuple[str, list[int]]:
     return text, list(text.encode())
 
 
-def _token_logprob(texts: Callable[[int], tuple[str, list[int]]], token: int, entry: dict[int, float], top: int) -> TokenLogprob:
-    """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked."""
+def _token_logprob(texts: Callable[[int], tuple[str, list[int]]], token: int, entry: dict[int, float], top: int,
+                   rank: int | None = None) -> TokenLogprob:
+    """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked. With
+    the token's `rank` (a prompt token's), the ids too, as vLLM's prompt_logprobs keys them."""
     text, raw = texts(token)
-    ranked = []
-    for other, logprob in sorted(entry.items(), key=lambda item: -item[1])[:top]:
-        other_text, other_raw = texts(other)
-        ranked.append((other_text, logprob, other_raw))
-    return TokenLogprob(text, entry[token], raw, ranked)
+    best = sorted(entry.items(), key=lambda item: -item[1])[:top]
+    ranked = [(*texts(other), logprob) for other, logprob in best]
+    score = TokenLogprob(text, entry[token], raw, [(t, logprob, r) for t, r, logprob in ranked])
+    if rank is not None:
+        score.token_id, score.rank, score.top_ids = token, rank, [other for other, _ in best]
+    return score
 
 
 def _refusal(exc: Exception, job: GenerationJob) -> Refused:

@@ -58,6 +58,7 @@ class Choice:
     prefix_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's
     token_ids: list[int] | None = None  # return_token_ids: the output's ids ([] until they come; None: not asked)
     prompt_token_ids: list[int] | None = None  # return_token_ids: completions give each choice its prompt's
+    prompt_scores: list[TokenLogprob] | None = None  # vLLM's prompt_logprobs: completions give each choice them
 
     def add(self, text: str, completion_tokens: int, finish_reason: str | None,
             logprobs: list[TokenLogprob] | None, token_ids: list[int] | None = None) -> None:
@@ -75,8 +76,10 @@ class Choice:
             if self.logprobs is not None:
                 logprobs = completion_logprobs((self.prefix_logprobs or []) + self.logprobs,
                                                0 if self.prefix_logprobs else len(self.prefix))
-            return self._with_ids({"index": self.index, "text": text, "logprobs": logprobs,
-                                   "finish_reason": self.finish_reason}, self.prompt_token_ids)
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+            if self.prompt_scores is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_scores)
+            return self._with_ids(choice, self.prompt_token_ids)
         content, calls = tool_calls.parse(self.text) if self.parse_tool_calls else (self.text, [])
         message = {"role": "assistant", "content": content}
         finish_reason = self.finish_reason
@@ -94,6 +97,18 @@ class Choice:
             if prompt_token_ids is not None:
                 choice["prompt_token_ids"] = prompt_token_ids
         return choice
+
+
+def vllm_prompt_logprobs(scores: list[TokenLogprob]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first token, which nothing predicts; then, by token id, the prompt's
+    token and the most likely ones, each with its logprob, its rank (1: the model's first choice) and its text."""
+    positions: list[dict | None] = [None]
+    for score in scores[1:]:
+        position = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": text}
+                    for rank, (token, (text, logprob, _)) in enumerate(zip(score.top_ids, score.top), start=1)}
+        position[str(score.token_id)] = {"logprob": score.logprob, "rank": score.rank, "decoded_token": score.token}
+        positions.append(position)
+    return positions
 
 
 def completion_body(request_id: str, model: str, choices: list[Choice], chat: bool, usage_: dict,

@@ -192,3 +192,32 @@ def test_priority_reaches_the_engine_whose_fcfs_policy_serves_only_0(client):
     with pytest.raises(openai.BadRequestError) as refused:
         chat(client, priority=-3, max_tokens=2)
     assert refused.value.body["param"] == "priority" and "scheduling_policy fcfs" in refused.value.body["message"]
+
+
+def test_prompt_logprobs_give_each_prompt_tokens_logprob_and_rank_as_hf_computes_them(serve_app):
+    import torch
+
+    from tests.engine.helpers import load_hf_model
+
+    body = {"prompt": "The capital of France is Paris, and the capital of Spain is", "max_tokens": 2,
+            "temperature": 0.0, "prompt_logprobs": 2, "n": 2}
+    completion = post(serve_app, "/v1/completions", body).json()
+    ids = post(serve_app, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
+    first, second = completion["choices"]
+    assert first["prompt_logprobs"] == second["prompt_logprobs"] and first["prompt_logprobs"][0] is None
+    with torch.no_grad():
+        reference = torch.log_softmax(load_hf_model(MODEL)(torch.tensor([ids])).logits[0].float(), -1)
+    for position, entry in enumerate(first["prompt_logprobs"][1:], start=1):
+        token, row = ids[position], reference[position - 1]
+        mine = entry[str(token)]
+        assert abs(mine["logprob"] - float(row[token])) < 1e-4, position
+        low, high = (1 + int((row > row[token] + margin).sum()) for margin in (1e-3, -1e-3))
+        assert low <= mine["rank"] <= high, (position, mine, low, high)
+        assert len(entry) in (2, 3) and any(e["rank"] == 1 for e in entry.values())
+    chat_body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    reply = post(serve_app, "/v1/chat/completions", chat_body).json()
+    assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"] and reply["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in reply["prompt_logprobs"][1:])  # the prompt's own token, no alternatives
+    for extra in ({"stream": True}, {"echo": True, "logprobs": 1}, {"prompt": "hi " * 4500}):
+        refused = post(serve_app, "/v1/completions", {**body, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", refused.text

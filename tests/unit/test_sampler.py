@@ -288,7 +288,7 @@ def test_prompt_logprobs_in_chunks_equal_one_log_softmax_over_all_rows():
     rows = 2 * PROMPT_LOGPROB_ROWS + 37  # three chunks, the last partial
     logits = torch.randn(rows, 50, generator=generator)
     targets = torch.randint(0, 50, (rows,), generator=generator).tolist()
-    entries = Sampler.prompt_logprobs(logits, targets, top=3)
+    entries, ranks = Sampler.prompt_logprobs(logits, targets, top=3)
     reference = torch.log_softmax(logits, dim=-1)
     assert len(entries) == rows
     for row in (0, PROMPT_LOGPROB_ROWS - 1, PROMPT_LOGPROB_ROWS, rows - 1):
@@ -296,6 +296,7 @@ def test_prompt_logprobs_in_chunks_equal_one_log_softmax_over_all_rows():
         expected = {targets[row]: reference[row, targets[row]].item(), **dict(zip(best.indices.tolist(), best.values.tolist()))}
         assert entries[row].keys() == expected.keys()
         assert all(abs(entries[row][t] - expected[t]) < 1e-6 for t in expected)
+        assert ranks[row] == 1 + int((reference[row] > reference[row, targets[row]]).sum())
 
 
 @pytest.mark.parametrize("knobs", [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=5, min_p=0.05),
