@@ -50,13 +50,17 @@ def main(rows: int = 64, vocab: int = 49152, dtype: str = "bfloat16", repeats: i
                                                            allowed_token_ids=list(range(vocab))),
         "one row, 128 bad words, one banning": SamplingParams(temperature=0.0, max_tokens=64, bad_words=["x"],
                                                  bad_words_token_ids=words),
+        # the worst a request can send: its whole token budget in words whose every token but the last matches
+        "every row, 1,024 bad-word tokens all matching": SamplingParams(
+            temperature=0.0, max_tokens=64, bad_words=["x"], bad_words_token_ids=((5, 6, 7, 99),) * 256),
     }
     sampler = StepSampler({0})
     table = Table(title=f"step sampler, {rows} greedy rows, vocab {vocab}, {dtype}: median of {repeats}")
     table.add_column("batch")
     table.add_column("ms", justify="right")
     for name, params in limited.items():
-        seqs = [sequence(plain) for _ in range(rows - 1)] + [sequence(params or plain)]
+        every = name.startswith("every")
+        seqs = [sequence(params if every else plain) for _ in range(rows - 1)] + [sequence(params or plain)]
         step = StepLogits(seqs, logits, [1] * rows, [])
         table.add_row(name, f"{median_ms(lambda: sampler(step, {}), repeats):.2f}")
     Console().print(table)

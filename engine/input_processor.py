@@ -105,6 +105,8 @@ class InputProcessor:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.limits.vocab_size
+        if params.allowed_token_ids is not None and len(params.allowed_token_ids) > vocab:  # the core sorts them
+            raise EngineInputError(f"allowed_token_ids: at most {vocab} ids, the vocabulary's size", "allowed_token_ids")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if t >= vocab]
@@ -114,7 +116,7 @@ class InputProcessor:
     def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
         """vLLM's rule: each word's tokens as written (leading spaces dropped), and with one leading space where
         that gives as many tokens, the first of them different (a word inside a sentence)."""
-        if not params.bad_words or params.bad_words_token_ids is not None:
+        if not params.bad_words:
             return params
         words: list[tuple[int, ...]] = []
         for word in params.bad_words:

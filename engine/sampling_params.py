@@ -14,6 +14,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own bound
 MAX_BAD_WORDS = 128
+# tokens in all of a request's bad words (each as written and after a space): the bans are checked every step
+MAX_BAD_WORD_TOKENS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_REPETITION_PENALTY = 2.0
 # A floor far from where dividing a positive logit by the penalty overflows to inf and the softmax gives NaN (a fuzzed
@@ -148,6 +150,11 @@ class SamplingParams:
             bad(f"bad_words must be at most {MAX_BAD_WORDS} strings, each with a non-space character", "bad_words")
         if self.bad_words is not None and any(len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
             bad(f"a bad word may have at most {MAX_STOP_STRING_CHARS} characters", "bad_words")
+        words = self.bad_words_token_ids
+        if words is not None and (sum(map(len, words)) > MAX_BAD_WORD_TOKENS or not all(
+                word and all(_is_int(t) and t >= 0 for t in word) for word in words)):
+            bad(f"bad_words may hold at most {MAX_BAD_WORD_TOKENS} tokens in all (each word counted as written and "
+                "after a space)", "bad_words")
 
     def _validate_stops(self, bad) -> None:
         if len(self.stop_strings) > MAX_STOP_STRINGS:

@@ -75,6 +75,7 @@ def test_a_multi_token_bad_word_bans_only_its_last_token_after_its_first(llm32, 
 @pytest.mark.parametrize("params,field", [
     (dict(allowed_token_ids=[10 ** 7]), "allowed_token_ids"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1] * 10 ** 6), "allowed_token_ids"),
     (dict(bad_words=["  "]), "bad_words"),
     (dict(bad_words=["x"] * 129), "bad_words"),
 ])
@@ -82,3 +83,12 @@ def test_limits_that_cannot_be_are_refused_naming_their_field(llm32, params, fie
     with pytest.raises(EngineInputError) as refused:
         llm32.inputs.process("r", PROMPT, SamplingParams(**params))
     assert refused.value.param == field
+
+
+def test_bad_words_beyond_the_token_budget_are_refused_as_a_list(llm32):
+    from engine.sampling_params import MAX_BAD_WORD_TOKENS
+
+    words = ["antidisestablishmentarianism " * 8] * 100  # 256-character words, each many tokens
+    with pytest.raises(EngineInputError, match=f"at most {MAX_BAD_WORD_TOKENS} tokens") as refused:
+        llm32.inputs.process("r", PROMPT, SamplingParams(bad_words=[w[:256] for w in words]))
+    assert refused.value.param == "bad_words"
