@@ -210,3 +210,29 @@ def test_the_gpu_is_the_default_device_and_triton_its_backend(models):
     settings = LLM(model=path, num_kv_blocks=64).engine.settings()
     assert (settings["device"], settings["attention_backend"], settings["dtype"]) == ("cuda", "triton", "bfloat16")
     assert torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device,backend", on(("cpu", "torch")))
+def test_allowed_ids_and_bad_words_hold_on_the_device_and_leave_batch_mates_alone(models, tokenizer, device, backend):
+    """The masks are built per step on the logits' device: each limited token is HF's best among those allowed."""
+    from tests.engine.helpers import NEAR_TIE, teacher_forced_logprobs
+
+    path, hf_model = models["llama-hd64"]
+    llm = LLM(model=path, dtype="float32", device=device, attention_backend=backend, num_kv_blocks=128)
+    prompt = tokenizer.encode(" ".join(WORDS[:12]))
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    (alone,) = llm.generate([prompt], plain, use_tqdm=False)
+    allowed = sorted(set(tokenizer.encode(" ".join(WORDS[12:20]))))
+    banned = alone.token_ids[0]
+    limited = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)
+    worded = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words=[tokenizer.decode([banned])])
+    only, without, mate = llm.generate([prompt, prompt, prompt], [limited, worded, plain], use_tqdm=False)
+    assert mate.token_ids == alone.token_ids and set(only.token_ids) <= set(allowed) and banned not in without.token_ids
+    reference = teacher_forced_logprobs(hf_model, prompt, only.token_ids)
+    mask = torch.full((reference.shape[1],), float("-inf"))
+    mask[allowed] = 0.0
+    for position, token in enumerate(only.token_ids):
+        best = (reference[position] + mask).max()
+        assert best - reference[position, token] < NEAR_TIE, (position, token)
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
