@@ -6,7 +6,7 @@ of the engine on the device, deployed from `serve_app/config.gpu.yaml`'s args, i
 3. A local Ray on loopback (token auth, Serve's Python proxy: the GPU image has no HAProxy) and the app as
    config.gpu.yaml builds it (colocated, one replica on the GPU, an API key), the random model swapped in.
 4. Over HTTP: 401 without the key; a chat completion; a stream, its usage chunk last; a JSON-schema reply that
-   validates; the engine's series on Ray's metrics endpoint.
+   validates; a Responses API reply; the engine's series on Ray's metrics endpoint.
 5. Load: `concurrency` streaming chat clients for `seconds` (sampled, fixed lengths): requests, errors (none may
    fail), tok/s, time to first token and end to end at the load test's percentiles, served tok/s against the engine
    alone.
@@ -165,6 +165,10 @@ def functional(base: str, metrics_port: int, log: Log) -> list[str]:
             jsonschema.validate(json.loads(structured.json()["choices"][0]["message"]["content"]), SCHEMA)
         except Exception as error:  # any way it fails is the failure
             failures.append(f"json_schema reply: {type(error).__name__}: {error}; {structured.text[:300]}")
+        response = client.post("/v1/responses", headers=auth, json=dict(
+            model="llm", input=conversation(0), max_output_tokens=16)).json()
+        if response.get("object") != "response" or response.get("usage", {}).get("output_tokens", 0) < 1:
+            failures.append(f"responses API: {str(response)[:300]}")
     deadline = time.monotonic() + 30  # Ray exports every second here (metrics_report_interval_ms)
     while "ray_engine_generation_tokens_total" not in (text := _metrics(metrics_port)) and time.monotonic() < deadline:
         time.sleep(1)
