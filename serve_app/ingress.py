@@ -23,7 +23,7 @@ from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                       TokenizeRequest)
 from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
-from serve_app import responses_api
+from serve_app import responses_api, responses_api_output
 from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
                                  usage, vllm_prompt_logprobs)
 from serve_app.responses_api import ResponsesRequest
@@ -132,12 +132,12 @@ class Ingress:
             messages = [m.for_template() for m in chat.messages]
             if body.stream:
                 chunks = await self.stream_chunks(chat, messages, True, request_id)
-                events = responses_api.event_stream(chunks, body, request_id, self.args.model_name, _stream_error)
+                events = responses_api_output.event_stream(chunks, body, request_id, self.args.model_name, _stream_error)
                 return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             whole = await self.whole_body(chat, messages, True, request_id)
         except OpenAIError as exc:
             raise responses_api.renamed(exc) from None
-        return CompletionResponse(responses_api.response_object(whole, body, request_id, self.args.model_name))
+        return CompletionResponse(responses_api_output.response_object(whole, body, request_id, self.args.model_name))
 
     def _jobs(self, body: SamplingFields, prompt, request_id: str) -> list[GenerationJob]:
         self._check_model(body.model)

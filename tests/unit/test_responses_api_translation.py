@@ -9,7 +9,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import ValidationError
 
 from serve_app.errors import OpenAIError, envelope
-from serve_app.responses_api import ResponsesRequest, event_stream, response_object
+from serve_app.responses_api import ResponsesRequest
+from serve_app.responses_api_output import event_stream, response_object
 
 # each stream event's model in OpenAI's client, by its type
 EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
@@ -151,3 +152,9 @@ def test_a_refusal_from_the_chat_route_or_the_engine_names_the_responses_spellin
     error = renamed(OpenAIError(400, "messages.2.content: too long", "messages.2.content"))
     assert (error.param, error.message) == ("input", "input: too long")
     assert renamed(OpenAIError(400, "tools.0: bad", "tools.0")).param == "tools.0"
+
+
+def test_prompt_logprobs_are_refused_not_dropped():
+    with pytest.raises(ValidationError) as refused:
+        ResponsesRequest.model_validate({"input": "hi", "prompt_logprobs": 1})
+    assert refused.value.errors()[0]["ctx"]["path"] == "prompt_logprobs"
