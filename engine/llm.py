@@ -77,8 +77,14 @@ class LLM:
         if len(priorities) != len(prompts):
             raise EngineInputError(f"got {len(priorities)} priorities for {len(prompts)} prompts", "priority")
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
-        for request_id, prompt, p, rank in zip(ids, prompts, params_list, priorities):
-            self.add_request(request_id, prompt, p, tools=tools, final_only=True, priority=rank, options=options)
+        for added, (request_id, prompt, p, rank) in enumerate(zip(ids, prompts, params_list, priorities)):
+            try:
+                self.add_request(request_id, prompt, p, tools=tools, final_only=True, priority=rank, options=options)
+            except BaseException:  # one refused prompt refuses the batch: the ones before it must not run on
+                for earlier in ids[:added]:
+                    self.abort(earlier)
+                    self.outputs.forget(earlier)
+                raise
         finals: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():

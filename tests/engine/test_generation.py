@@ -140,3 +140,12 @@ def test_the_priority_policy_serves_lower_values_first_and_fcfs_refuses_any_but_
     with pytest.raises(EngineInputError) as refused:
         llm32.generate(["one"], params, use_tqdm=False, priority=[1])
     assert refused.value.param == "priority"
+
+
+def test_a_batch_with_one_refused_prompt_runs_none_of_it(llm32):
+    with pytest.raises(EngineInputError):
+        llm32.generate(["first", [10 ** 9]], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    tokens_before = llm32.engine.stats().generation_tokens
+    (after,) = llm32.generate(["third"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert after.num_tokens == 3 and not llm32.has_unfinished_requests()
+    assert llm32.engine.stats().generation_tokens - tokens_before == 3  # the first prompt's 50 never ran
