@@ -20,7 +20,7 @@ from engine import EngineInputError, SamplingParams, StructuredOutput, tool_call
 from engine.chat import DEFAULT_OPTIONS
 from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
-                                      TokenizeRequest)
+                                      StreamOptions, TokenizeRequest)
 from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
 from serve_app import responses_api, responses_api_output
@@ -160,9 +160,8 @@ class Ingress:
                                   prompt_token_ids=None if chat else admitted.prompt_token_ids)
                    for k, (_, admitted) in enumerate(started) for i in range(n)]
         stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return self._chunks(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
-                            include_usage, self._shows_cached_tokens(body), n,
+                            body.stream_options or StreamOptions(), self._shows_cached_tokens(body), n,
                             started[0][1].prompt_token_ids if chat else None)
 
     async def whole_body(self, body: SamplingFields, prompt, chat: bool, request_id: str) -> dict:
@@ -294,10 +293,14 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
     async def _chunks(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
-                      prompt_tokens: int, include_usage: bool, shows_cached_tokens: bool, n: int = 1,
+                      prompt_tokens: int, options: StreamOptions, shows_cached_tokens: bool, n: int = 1,
                       prompt_token_ids: list[int] | None = None):
         model, tokens = self.args.model_name, [0] * len(choices)
         cached = [0] * (len(choices) // n)  # each prompt's cached tokens, as its first choice reports them
+
+        def usage_so_far() -> dict:
+            return usage(prompt_tokens, sum(tokens), sum(cached) if shows_cached_tokens else None)
+
         deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
         try:
             async for delta in _with_keep_alive(stream, self.args.sse_keepalive_s, deadline):
@@ -319,10 +322,12 @@ class Ingress:
                     chunk = chunk_body(request_id, model, [choice], chat, created)
                     if prompt_token_ids is not None:  # return_token_ids in a chat: on the stream's first chunk
                         chunk["prompt_token_ids"], prompt_token_ids = prompt_token_ids, None
+                    if options.usage_on_every_chunk:
+                        chunk["usage"] = usage_so_far()
                     yield chunk
-            if include_usage:
+            if options.include_usage:
                 final = chunk_body(request_id, model, [], chat, created)
-                final["usage"] = usage(prompt_tokens, sum(tokens), sum(cached) if shows_cached_tokens else None)
+                final["usage"] = usage_so_far()
                 yield final
         finally:
             stream.cancel()

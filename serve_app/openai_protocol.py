@@ -22,8 +22,14 @@ Constraint = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHARS)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a few options, each served or refused: never one ignored
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk too
+    include_obfuscation: Literal[False] = False  # OpenAI's padding of chunks; not served
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 def find_unencodable(value: Any, path: str = "") -> str | None:

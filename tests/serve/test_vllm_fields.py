@@ -221,3 +221,13 @@ def test_prompt_logprobs_give_each_prompt_tokens_logprob_and_rank_as_hf_computes
     for extra in ({"stream": True}, {"echo": True, "logprobs": 1}, {"prompt": "hi " * 4500}):
         refused = post(serve_app, "/v1/completions", {**body, **extra})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", refused.text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True}, stream_options={
+                                                "include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert all(chunk.usage is not None for chunk in chunks) and counts == sorted(counts) and counts[-1] == 12
+    assert len({chunk.usage.prompt_tokens for chunk in chunks}) == 1 and len(chunks) > 3
