@@ -54,7 +54,7 @@ class StepSampler:
         banned = () if seq.num_output_tokens >= params.min_tokens else \
             set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         if params.bad_words_token_ids:
-            banned = set(banned).union(_bad_words_next(params.bad_words_token_ids, seq.output_token_ids))
+            banned = set(banned).union(_bad_words_next(params.bad_words_token_ids, seq.token_ids, seq.num_prompt_tokens))
         return banned
 
     def record_prompt_logprobs(self, part: PromptLogits) -> None:
@@ -66,9 +66,11 @@ class StepSampler:
         seq.runtime.prompt_ranks[first : first + len(ranks)] = ranks
 
 
-def _bad_words_next(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> set[int]:
-    """The last token of each bad word whose earlier tokens end the output (a one-token word: always). A word's
-    next-to-last token is compared first: most words stop there, so a step costs about one comparison a word."""
-    last = output[-1] if output else None
+def _bad_words_next(bad_words: tuple[tuple[int, ...], ...], token_ids: list[int], num_prompt_tokens: int) -> set[int]:
+    """The last token of each bad word whose earlier tokens end the output, `token_ids[num_prompt_tokens:]` (a
+    one-token word: always). A word's next-to-last token is compared first: most words stop there, so a step costs
+    about one comparison a word, and the output is never copied."""
+    num_output, end = len(token_ids) - num_prompt_tokens, len(token_ids)
+    last = token_ids[-1] if num_output else None
     return {word[-1] for word in bad_words if len(word) == 1 or (
-        word[-2] == last and len(word) <= len(output) + 1 and output[len(output) - len(word) + 1:] == list(word[:-1]))}
+        word[-2] == last and len(word) <= num_output + 1 and token_ids[end - len(word) + 1:] == list(word[:-1]))}
