@@ -226,8 +226,11 @@ def _token_logprob(texts: Callable[[int], tuple[str, list[int]]], token: int, en
     the token's `rank` (a prompt token's), the ids too, as vLLM's prompt_logprobs keys them."""
     text, raw = texts(token)
     best = sorted(entry.items(), key=lambda item: -item[1])[:top]
-    ranked = [(*texts(other), logprob) for other, logprob in best]
-    score = TokenLogprob(text, entry[token], raw, [(t, logprob, r) for t, r, logprob in ranked])
+    ranked = []
+    for other, logprob in best:
+        other_text, other_raw = texts(other)
+        ranked.append((other_text, logprob, other_raw))
+    score = TokenLogprob(text, entry[token], raw, ranked)
     if rank is not None:
         score.token_id, score.rank, score.top_ids = token, rank, [other for other, _ in best]
     return score
