@@ -152,7 +152,7 @@ class Ingress:
         """Admit every job (refusals raise here, before any header is sent), then the stream's chunks: dicts, and
         None where a keep-alive is due."""
         jobs = self._jobs(body, prompt, request_id)
-        parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
+        parse_tools = _offers_tools(body)
         started, n = await self._admit_all(jobs), body.n
         ids = body.return_token_ids
         choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "",
@@ -168,7 +168,7 @@ class Ingress:
         """Every prompt's choices, generated together; a replica lost for good mid-generation surfaces from _call:
         a 503 in the envelope, like any handle failure."""
         jobs = self._jobs(body, prompt, request_id)
-        parse_tools = isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
+        parse_tools = _offers_tools(body)
         created, n = int(time.time()), body.n
         groups = [[Choice(k * n + i, chat, parse_tools) for i in range(n)] for k in range(len(jobs))]
         results = await _all([self._whole(job, group) for job, group in zip(jobs, groups)])
@@ -447,8 +447,13 @@ def _structured_output(body: SamplingFields, tools: list[dict] | None) -> Struct
     return body.structured_output()
 
 
+def _offers_tools(body: SamplingFields) -> bool:
+    """A chat that offers tools: its reply is parsed for calls."""
+    return isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
+
+
 def _offered_tools(body: SamplingFields) -> list[dict] | None:
-    if isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none":
+    if _offers_tools(body):
         return [t.model_dump(exclude_none=True) for t in body.tools]
     return None
 
