@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -29,7 +30,7 @@ def envelope(status: int, message: str, param: str | None = None, code: str | in
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
 
 
-def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+def describe_validation_error(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0] if exc.errors() else {}
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     path = (first.get("ctx") or {}).get("path")  # a validator's own, finer than the location it ran at

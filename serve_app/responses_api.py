@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, describe_validation_error
 from serve_app.openai_protocol import (MAX_TOOLS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_VLLM_FIELDS, ChatCompletionRequest,
                                       find_unencodable, refuse)
 
@@ -181,10 +181,8 @@ class ResponsesRequest(BaseModel):
                                                        "strict": form.strict}}
         try:
             return ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            path = (first.get("ctx") or {}).get("path") or ".".join(str(p) for p in first.get("loc", ()))
-            raise OpenAIError(400, f"{path}: {first.get('msg')}", str(path)) from None
+        except ValidationError as exc:  # as the chat route would describe it; renamed() then spells it ours
+            raise OpenAIError(400, *describe_validation_error(exc)) from None
 
     def _messages(self) -> list[dict]:
         """Chat messages: instructions first, as a system message; a run of function calls, one assistant turn."""
