@@ -40,8 +40,8 @@ def _usage(chat: dict) -> dict:
             "total_tokens": chat["total_tokens"]}
 
 
-def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+def _message_item(text: str, status: str) -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": [_text_part(text)] if status == "completed" else []}
 
 
