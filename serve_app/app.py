@@ -5,11 +5,12 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from serve_app.colocated import ColocatedDeployment
 from serve_app.config import AppArgs
 from serve_app.ingress import IngressDeployment
+from serve_app.prefix_router import PrefixAffinityRouter
 from serve_app.replica import EngineReplica
 
 INGRESS_TARGET_ONGOING = 256
@@ -19,7 +20,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     if args.topology == "colocated":
         return serve.deployment(ColocatedDeployment).options(name="EngineIngress", **replica_options(args)).bind(args)
-    replica = serve.deployment(EngineReplica).options(name="EngineReplica", **replica_options(args))
+    replica = serve.deployment(EngineReplica).options(name="EngineReplica", **replica_options(args),
+                                                      **request_router(args))
     ingress = serve.deployment(IngressDeployment).options(
         name="Ingress",
         ray_actor_options={"num_cpus": 0, "resources": args.ingress_resources},  # 0 CPUs: the engine replica must fit beside it
@@ -56,6 +58,14 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
 
 def backpressure(args: AppArgs) -> BackpressureConfig:
     return BackpressureConfig(status_code=429, retry_after_s=args.retry_after_s)
+
+
+def request_router(args: AppArgs) -> dict[str, Any]:
+    """The engine replicas' router option for `request_router: prefix_affinity`; nothing (Serve's default) otherwise."""
+    if args.request_router != "prefix_affinity":
+        return {}
+    return {"request_router_config": RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                                                         request_router_kwargs=args.prefix_affinity.model_dump())}
 
 
 def engine_signal_policy(args: AppArgs) -> dict[str, Any]:

@@ -6,10 +6,11 @@ from pathlib import Path, PurePath
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
 from serve_app.autoscaling import EngineSignalTargets
+from serve_app.prefix_affinity import PrefixAffinityOptions
 
 # What serving needs that the offline engine does not: a bounded queue (429 past it), a cap on max_tokens, and the
 # core in a process of its own, so the replica's HTTP and Ray messaging never share an interpreter lock with it.
@@ -40,6 +41,12 @@ class AppArgs(BaseModel):
         "split: the ingress and the engine replicas are deployments of their own, the ingress scaling apart on "
         "CPUs; colocated: each engine replica serves HTTP itself, one Ray hop less per request and per streamed "
         "chunk (serve_app/colocated.py); the ingress_* fields then do not apply"))
+    request_router: Literal["power_of_two", "prefix_affinity"] = Field(default="power_of_two", description=(
+        "how the ingress picks an engine replica for a generation: power_of_two, Serve's default, the less busy of "
+        "two at random; prefix_affinity, the replica that was sent the longest start of the prompt, whose prefix "
+        "cache likely holds it (serve_app/prefix_router.py). Split topology only: in colocated, Serve's proxy "
+        "picks the replica before the body is read"))
+    prefix_affinity: PrefixAffinityOptions = Field(default_factory=PrefixAffinityOptions)
     ingress_max_replicas: int = Field(default=2, ge=1)
     ingress_resources: dict[str, float] = Field(default_factory=dict,
                                                 description="custom Ray resources that pin the ingress, e.g. {head: 0.01}")
@@ -79,6 +86,13 @@ class AppArgs(BaseModel):
     @classmethod
     def _serving_defaults(cls, value):
         return {**SERVING_ENGINE_DEFAULTS, **value} if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _router_needs_split(self):
+        if self.request_router == "prefix_affinity" and self.topology != "split":
+            raise ValueError("request_router: prefix_affinity needs topology: split (in colocated, Serve's proxy "
+                             "routes a request before its body, and so its prompt, is read)")
+        return self
 
     @property
     def drain_timeout_s(self) -> float:

@@ -1,0 +1,70 @@
+"""Serve's request router for engine replicas under `request_router: prefix_affinity`.
+
+A generation goes to the replica that was sent the longest start of its prompt, where that start most likely still
+sits in the replica's prefix cache, so a conversation's turns and the choices of one system prompt stay on one
+replica's blocks. Among several such replicas, and whenever no start is known well enough or the holder is busier
+than the least busy replica by more than `max_load_gap`, Serve's power of two choices decides; a holder whose queue
+is full is passed over by Serve's own queue check, the pair after it tried.
+
+As Ray Serve LLM's PrefixCacheAffinityRouter, but its prefix tree lives in a detached actor that every routing call
+waits on; this index lives in the routing process (the ingress replica), so each ingress learns from what it routes
+and a decision costs no Ray call.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve._private.common import ReplicaID
+from ray.serve._private.replica_result import ReplicaResult
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+
+from serve_app.prefix_affinity import PrefixAffinityOptions, PrefixIndex, affinity_key
+from serve_app.protocol import GenerationJob
+
+
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    # no FIFOMixin: a replica chosen for one request's prefix must not be handed to an older request
+
+    def initialize_state(self, **options: Any) -> None:
+        self._options = PrefixAffinityOptions(**options)
+        self._index = PrefixIndex(self._options.chunk_chars, self._options.max_chunks)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        pair = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        key = _key(pending_request)
+        if not pair or not key:
+            return pair
+        holders = self._holders(key, candidate_replicas)
+        return [holders, *pair] if holders else pair
+
+    def _holders(self, key: str, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The replicas sent the longest known start of `key`, if it is long enough and they are not overloaded."""
+        by_id = {replica.replica_id.to_full_id_str(): replica for replica in candidates}
+        hashes = self._index.chunk_hashes(key)
+        matched, holders = self._index.longest_match(hashes, by_id)
+        if not holders or matched * self._options.chunk_chars < self._options.min_match_share * len(key):
+            return []
+        loads = {rid: self._replica_queue_len_cache.get(replica.replica_id) for rid, replica in by_id.items()}
+        least = min((load for load in loads.values() if load is not None), default=0)
+        return [by_id[rid] for rid in sorted(holders)
+                if loads[rid] is None or loads[rid] - least <= self._options.max_load_gap]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        key = _key(pending_request)
+        if key:
+            self._index.record(self._index.chunk_hashes(key), replica_id.to_full_id_str())
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._index.forget(replica_id.to_full_id_str())
+
+
+def _key(pending_request: PendingRequest | None) -> str | None:
+    """A generation's affinity key; None for any other call (stats, tokenize), which power of two choices routes."""
+    args = pending_request.args if pending_request is not None else ()
+    job = args[0] if args else None
+    return affinity_key(job) if isinstance(job, GenerationJob) else None

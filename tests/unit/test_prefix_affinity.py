@@ -1,0 +1,78 @@
+"""Prefix-affinity routing's memory: affinity keys and the chunk index (pure logic; the served router is tested in
+tests/serve/test_prefix_routing.py)."""
+import pytest
+from pydantic import ValidationError
+
+from engine import SamplingParams
+from serve_app.config import AppArgs
+from serve_app.prefix_affinity import PrefixIndex, affinity_key
+from serve_app.protocol import GenerationJob
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 12}
+
+
+def job(prompt, **fields) -> GenerationJob:
+    return GenerationJob("r", prompt, SamplingParams(max_tokens=4), **fields)
+
+
+def test_next_turn_key_extends_the_last_turns_key():
+    turn1 = [SYSTEM, {"role": "user", "content": "Name a colour."}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"}]
+    assert affinity_key(job(turn2)).startswith(affinity_key(job(turn1)))
+
+
+def test_salt_and_tools_come_first_and_separate_keys():
+    plain = affinity_key(job("Hello there"))
+    salted = affinity_key(job("Hello there", cache_salt="tenant-a"))
+    other_salt = affinity_key(job("Hello there", cache_salt="tenant-b"))
+    with_tools = affinity_key(job("Hello there", tools=[{"type": "function", "function": {"name": "f"}}]))
+    assert len({plain, salted, other_salt, with_tools}) == 4
+    assert all(key.endswith("Hello there") for key in (plain, salted, other_salt, with_tools))
+
+
+def test_token_id_prompts_count_one_character_a_token():
+    assert affinity_key(job([1, 2, 3])) == "\x01\x02\x03"
+    assert affinity_key(job([151_000, 7])).startswith(chr(151_000))
+
+
+def test_chunk_hashes_chain_so_equal_hashes_mean_equal_starts():
+    index = PrefixIndex(chunk_chars=4, max_chunks=100)
+    a, b = index.chunk_hashes("abcdefghij"), index.chunk_hashes("abcdXfghij")
+    assert len(a) == 2  # the partial last chunk "ij" is not counted
+    assert a[0] == b[0] and a[1] != b[1]
+    assert index.chunk_hashes("efgh")[0] != a[1]  # a chunk's hash depends on what came before it
+
+
+def test_longest_match_names_the_replicas_sent_the_longest_start():
+    index = PrefixIndex(chunk_chars=4, max_chunks=100)
+    shared = "sys-sys-"
+    index.record(index.chunk_hashes(shared + "one-turn"), "r1")
+    index.record(index.chunk_hashes(shared + "two-turn"), "r2")
+    assert index.longest_match(index.chunk_hashes(shared + "one-turn-two"), {"r1", "r2"}) == (4, {"r1"})
+    assert index.longest_match(index.chunk_hashes(shared + "new-turn"), {"r1", "r2"}) == (2, {"r1", "r2"})
+    assert index.longest_match(index.chunk_hashes("unrelated"), {"r1", "r2"}) == (0, set())
+
+
+def test_only_live_replicas_match():
+    index = PrefixIndex(chunk_chars=4, max_chunks=100)
+    index.record(index.chunk_hashes("aaaabbbb"), "r1")
+    assert index.longest_match(index.chunk_hashes("aaaabbbb"), {"r2"}) == (0, set())
+    index.forget("r1")
+    assert len(index) == 0
+
+
+def test_bound_forgets_least_recently_routed_tails_before_heads():
+    index = PrefixIndex(chunk_chars=4, max_chunks=3)
+    index.record(index.chunk_hashes("aaaabbbbcccc"), "r1")
+    index.record(index.chunk_hashes("ddddeeee"), "r2")
+    assert len(index) == 3
+    # the first key kept its start: what is left of it still routes
+    assert index.longest_match(index.chunk_hashes("aaaabbbbcccc"), {"r1", "r2"}) == (1, {"r1"})
+    assert index.longest_match(index.chunk_hashes("ddddeeee"), {"r1", "r2"}) == (2, {"r2"})
+
+
+def test_prefix_affinity_needs_the_split_topology():
+    with pytest.raises(ValidationError, match="topology: split"):
+        AppArgs(request_router="prefix_affinity", topology="colocated")
+    with pytest.raises(ValidationError, match="max_load_gap"):
+        AppArgs(request_router="prefix_affinity", prefix_affinity={"max_load_gap": -1})
