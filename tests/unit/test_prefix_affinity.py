@@ -76,3 +76,53 @@ def test_prefix_affinity_needs_the_split_topology():
         AppArgs(request_router="prefix_affinity", topology="colocated")
     with pytest.raises(ValidationError, match="max_load_gap"):
         AppArgs(request_router="prefix_affinity", prefix_affinity={"max_load_gap": -1})
+
+
+def bare_router(**options):
+    """The router's decision logic without Serve's machinery: no replicas pushed, no probes."""
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    from serve_app.prefix_router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
+    router.initialize_state(**options)
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    return router
+
+
+def replicas(*names):
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    return [SimpleNamespace(replica_id=ReplicaID(name, DeploymentID(name="EngineReplica", app_name="llm")))
+            for name in names]
+
+
+def test_router_prefers_the_holder_until_it_is_busier_than_the_gap():
+    from types import SimpleNamespace
+
+    router = bare_router(max_load_gap=3)
+    a, b = replicas("a", "b")
+    history = [SYSTEM, {"role": "user", "content": "Tell me about lighthouses. " * 10}]
+    router.on_request_routed(SimpleNamespace(args=[job(history)]), a.replica_id, None)
+    next_turn = affinity_key(job(history + [{"role": "assistant", "content": "They guide ships."}]))
+    assert router._holders(next_turn, [a, b]) == [a]
+    router._replica_queue_len_cache.update(a.replica_id, 5)
+    router._replica_queue_len_cache.update(b.replica_id, 2)
+    assert router._holders(next_turn, [a, b]) == [a]  # 3 more in flight: within the gap
+    router._replica_queue_len_cache.update(a.replica_id, 6)
+    assert router._holders(next_turn, [a, b]) == []  # 4 more: power of two choices decides
+    assert router._holders(affinity_key(job("An unrelated prompt " * 20)), [a, b]) == []
+
+
+def test_router_ignores_a_start_shorter_than_the_match_share():
+    from types import SimpleNamespace
+
+    router = bare_router(min_match_share=0.5)
+    a, b = replicas("a", "b")
+    router.on_request_routed(SimpleNamespace(args=[job([SYSTEM])]), a.replica_id, None)
+    short_tail = [SYSTEM, {"role": "user", "content": "Hi"}]
+    long_tail = [SYSTEM, {"role": "user", "content": "A much longer question than the system prompt. " * 10}]
+    assert router._holders(affinity_key(job(short_tail)), [a, b]) == [a]
+    assert router._holders(affinity_key(job(long_tail)), [a, b]) == []

@@ -1,0 +1,162 @@
+"""Multi-turn chat over engine replicas: Serve's default router (power of two choices) against
+`request_router: prefix_affinity`, in the same run, alternated. Closed-loop users each hold conversations about a
+document of their own; every turn resends the whole history, as chat clients do, after a think time (a person
+reading the answer; without it, the replica that just answered a user is the less busy one when the next turn is
+routed, and Serve's default looks sticky for two replicas). Per router: the share of prompt
+tokens served from the prefix cache, the share of later turns that found their history, TTFT and end-to-end
+percentiles, and requests per second. Both apps are deployed side by side with one engine thread per replica and
+driven one at a time; each run's conversations are new, so no run inherits another's cache.
+
+    python benchmarks/prefix_routing.py [--users 8] [--conversations 2] [--turns 4] [--document-words 700]
+        [--think-s 2] [--replicas 2] [--repeats 3]
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from loadtest.loopback import free_port, wait_healthy  # noqa: E402
+from loadtest.prompts import paragraph  # noqa: E402
+
+ROUTERS = ("power_of_two", "prefix_affinity")
+BLOCK_SIZE = 16
+QUESTIONS = ["Summarise the document in two sentences.", "Which words does it repeat most?", "What is its tone?",
+             "Suggest a title for it.", "Name one thing it leaves out.", "Rewrite its first sentence."]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat turn; its answer appended to `messages`. TTFT, end to end, and usage."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, text, usage = None, [], None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                if choice["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    text.append(choice["delta"]["content"])
+    messages.append({"role": "assistant", "content": "".join(text)})
+    return {"ttft": first - start, "e2e": time.perf_counter() - start, "prompt": usage["prompt_tokens"],
+            "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+async def user(http: httpx.AsyncClient, rng: random.Random, name: str, conversations: int, turns: int,
+               words: int, max_tokens: int, think_s: float, bar: tqdm) -> list[list[dict]]:
+    held = []
+    for number in range(conversations):
+        document = paragraph(rng, words, words)
+        messages, results = [], []
+        for question in rng.sample(QUESTIONS, turns):
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * think_s)
+            content = f"{name}, conversation {number}.\n\n{document}\n\n{question}" if not messages else question
+            messages.append({"role": "user", "content": content})
+            results.append(await turn(http, messages, max_tokens))
+            bar.update(1)
+        held.append(results)
+    return held
+
+
+async def one_run(base: str, run: int, users: int, conversations: int, turns: int, words: int, max_tokens: int,
+                  think_s: float, router: str) -> dict:
+    bar = tqdm(total=users * conversations * turns, desc=f"run {run}, {router}", leave=False)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=users)) as http:
+        start = time.perf_counter()
+        held = await asyncio.gather(*(user(http, random.Random(f"{run}-{u}"), f"Run {run}, user {u}", conversations,
+                                           turns, words, max_tokens, think_s, bar) for u in range(users)))
+        wall = time.perf_counter() - start
+    bar.close()
+    requests = [r for conversation_list in held for conversation in conversation_list for r in conversation]
+    later = [(before, after) for conversation_list in held for conversation in conversation_list
+             for before, after in zip(conversation, conversation[1:])]
+    return {"cached share": sum(r["cached"] for r in requests) / sum(r["prompt"] for r in requests),
+            "history found": sum(a["cached"] >= b["prompt"] - BLOCK_SIZE for b, a in later) / len(later),
+            "ttft p50": percentile([r["ttft"] for r in requests], 0.5),
+            "ttft p90": percentile([r["ttft"] for r in requests], 0.9),
+            "e2e p50": percentile([r["e2e"] for r in requests], 0.5),
+            "req/s": len(requests) / wall}
+
+
+def deploy(dtype: str, replicas: int, port: int) -> dict[str, str]:
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.ray_env import setdefault_ray_env
+
+    setdefault_ray_env()  # as make serve
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    bases = {}
+    for router in ROUTERS:
+        args = {"engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32},
+                "request_router": router, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0,
+                "report_cached_tokens": True}
+        serve.run(build_app(args), name=router, route_prefix=f"/{router}", blocking=False)
+        bases[router] = f"http://127.0.0.1:{port}/{router}"
+    for router, base in bases.items():
+        wait_healthy(base, 600)
+        while serve.status().applications[router].deployments["EngineReplica"].replica_states.get("RUNNING") != replicas:
+            time.sleep(0.5)
+    return bases
+
+
+def main(users: int = 8, conversations: int = 2, turns: int = 4, document_words: int = 700, max_tokens: int = 32,
+         think_s: float = typer.Option(2.0, help="mean pause before each turn (uniform, 0.5x to 1.5x)"),
+         replicas: int = typer.Option(2, help="engine replicas per app, one engine thread each"),
+         repeats: int = 3, dtype: str = "bfloat16"):
+    import ray
+    from ray import serve
+
+    bases = deploy(dtype, replicas, free_port())
+    try:
+        runs: dict[str, list[dict]] = {router: [] for router in ROUTERS}
+        for run in range(repeats):
+            order = ROUTERS if run % 2 == 0 else ROUTERS[::-1]  # alternated: the first of a pair can run faster
+            for router in order:
+                runs[router].append(asyncio.run(one_run(bases[router], run, users, conversations, turns,
+                                                        document_words, max_tokens, think_s, router)))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    table = Table(title=f"{users} users x {conversations} conversations x {turns} turns over {replicas} replicas (1 "
+                        f"engine thread each), documents of {document_words} words, {max_tokens} tokens a turn, "
+                        f"think time {think_s} s, {dtype}: "
+                        f"medians of {repeats} runs")
+    columns = list(runs[ROUTERS[0]][0])
+    table.add_column("router", no_wrap=True)
+    for column in columns:
+        table.add_column(column + (" s" if column.startswith(("ttft", "e2e")) else ""), justify="right")
+    summary = {}
+    for router in ROUTERS:
+        summary[router] = {c: statistics.median(r[c] for r in runs[router]) for c in columns}
+        table.add_row(router, *(f"{v:.0%}" if "share" in c or "found" in c else f"{v:.2f}"
+                                for c, v in summary[router].items()))
+    Console().print(table)
+    print(json.dumps({"summary": summary, "runs": runs}))
+
+
+if __name__ == "__main__":
+    typer.run(main)
