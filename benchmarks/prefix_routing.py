@@ -99,7 +99,7 @@ async def one_run(base: str, run: int, users: int, conversations: int, turns: in
             "req/s": len(requests) / wall}
 
 
-def deploy(dtype: str, replicas: int, port: int) -> dict[str, str]:
+def deploy(dtype: str, replicas: int, kv_blocks: int | None, port: int) -> dict[str, str]:
     import ray
     from ray import serve
 
@@ -111,7 +111,7 @@ def deploy(dtype: str, replicas: int, port: int) -> dict[str, str]:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     bases = {}
     for router in ROUTERS:
-        args = {"engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32},
+        args = {"engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32, "num_kv_blocks": kv_blocks},
                 "request_router": router, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0,
                 "report_cached_tokens": True}
         serve.run(build_app(args), name=router, route_prefix=f"/{router}", blocking=False)
@@ -126,11 +126,13 @@ def deploy(dtype: str, replicas: int, port: int) -> dict[str, str]:
 def main(users: int = 8, conversations: int = 2, turns: int = 4, document_words: int = 700, max_tokens: int = 32,
          think_s: float = typer.Option(2.0, help="mean pause before each turn (uniform, 0.5x to 1.5x)"),
          replicas: int = typer.Option(2, help="engine replicas per app, one engine thread each"),
+         kv_blocks: int = typer.Option(None, help="KV blocks per replica (default: the engine's sizing, ~2 GB each): "
+                                                  "both apps' replicas must fit in memory together"),
          repeats: int = 3, dtype: str = "bfloat16"):
     import ray
     from ray import serve
 
-    bases = deploy(dtype, replicas, free_port())
+    bases = deploy(dtype, replicas, kv_blocks, free_port())
     try:
         runs: dict[str, list[dict]] = {router: [] for router in ROUTERS}
         for run in range(repeats):

@@ -28,7 +28,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         max_ongoing_requests=4 * INGRESS_TARGET_ONGOING,
         max_queued_requests=args.max_queued_requests,
         backpressure_config=backpressure(args),
-        autoscaling_config={"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
+        autoscaling_config={"min_replicas": args.ingress_min_replicas, "max_replicas": args.ingress_max_replicas,
                             "target_ongoing_requests": INGRESS_TARGET_ONGOING},
         graceful_shutdown_timeout_s=args.drain_timeout_s,
     )

@@ -47,6 +47,7 @@ class AppArgs(BaseModel):
         "cache likely holds it (serve_app/prefix_router.py). Split topology only: in colocated, Serve's proxy "
         "picks the replica before the body is read"))
     prefix_affinity: PrefixAffinityOptions = Field(default_factory=PrefixAffinityOptions)
+    ingress_min_replicas: int = Field(default=1, ge=1)
     ingress_max_replicas: int = Field(default=2, ge=1)
     ingress_resources: dict[str, float] = Field(default_factory=dict,
                                                 description="custom Ray resources that pin the ingress, e.g. {head: 0.01}")

@@ -7,8 +7,10 @@ no Ray, no torch.
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,6 +33,9 @@ class PrefixAffinityOptions(BaseModel):
     max_load_gap: int = Field(default=20, ge=0, description=(
         "route by affinity only to a replica with at most this many more ongoing requests than the least busy "
         "one (the imbalance threshold of Ray Serve LLM's documented example: 20)"))
+    share_period_s: float = Field(default=0.5, gt=0, description=(
+        "every ingress replica sends what it routed to the deployment's PrefixLog and takes the others' this often, "
+        "so a conversation whose turns reach different ingress replicas still finds its replica"))
 
 
 def affinity_key(job: GenerationJob) -> str:
@@ -65,10 +70,12 @@ class PrefixIndex:
 
     def chunk_hashes(self, key: str) -> list[int]:
         """One hash a whole chunk, each over its parent's: a partial last chunk is not counted, as a partial block."""
-        hashes, parent, size = [], 0, self.chunk_chars
+        hashes, parent, size = [], b"", self.chunk_chars
         for start in range(0, len(key) - size + 1, size):
-            parent = hash((parent, key[start:start + size]))
-            hashes.append(parent)
+            # not hash(): it is salted per process, and ingress replicas share these hashes
+            chunk = key[start:start + size].encode("utf-8", "surrogatepass")
+            parent = hashlib.blake2b(parent + chunk, digest_size=8).digest()
+            hashes.append(int.from_bytes(parent, "little"))
         return hashes
 
     def longest_match(self, hashes: list[int], live: Iterable[str]) -> tuple[int, set[str]]:
@@ -96,3 +103,33 @@ class PrefixIndex:
             holders.pop(replica, None)
             if not holders:
                 del self._holders[chunk]
+
+
+Route = tuple[str, list[int]]  # a replica and the chunk hashes of a key routed to it
+
+
+class PrefixLog:
+    """The routes every ingress replica of one deployment recorded, in order, so each can learn the others' (a Ray
+    actor in serving, prefix_router.py). Bounded by chunks, oldest dropped first; a reader that fell behind the
+    bound misses what was dropped, which costs it cache hits, never correctness."""
+
+    def __init__(self, max_chunks: int):
+        self.max_chunks = max_chunks
+        self._routes: deque[tuple[int, str, Route]] = deque()  # sequence number, recording router, route
+        self._last = 0
+        self._chunks = 0
+
+    def exchange(self, router: str, routes: list[Route], cursor: int) -> tuple[list[Route], int]:
+        """Append `router`'s routes; return the other routers' routes after `cursor`, and the new cursor."""
+        if cursor > self._last:
+            cursor = 0  # a cursor this log never gave: its predecessor's, which died with its owner
+        for route in routes:
+            self._last += 1
+            self._routes.append((self._last, router, route))
+            self._chunks += len(route[1])
+        while self._chunks > self.max_chunks:
+            self._chunks -= len(self._routes.popleft()[2][1])
+        first = self._routes[0][0] if self._routes else self._last + 1
+        start = max(0, cursor + 1 - first)
+        news = [route for _, source, route in itertools.islice(self._routes, start, None) if source != router]
+        return news, self._last

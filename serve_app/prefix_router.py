@@ -7,12 +7,18 @@ than the least busy replica by more than `max_load_gap`, Serve's power of two ch
 is full is passed over by Serve's own queue check, the pair after it tried.
 
 As Ray Serve LLM's PrefixCacheAffinityRouter, but its prefix tree lives in a detached actor that every routing call
-waits on; this index lives in the routing process (the ingress replica), so each ingress learns from what it routes
-and a decision costs no Ray call.
+waits on; this index lives in the routing process (the ingress replica), so a decision costs no Ray call. Ingress
+replicas share what they routed through the deployment's PrefixLog actor every `share_period_s`, so a conversation
+whose turns reach different ingress replicas still finds the replica holding its history.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import uuid
 from typing import Any
+
+import ray
 
 from ray.serve._private.common import ReplicaID
 from ray.serve._private.replica_result import ReplicaResult
@@ -21,8 +27,10 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
-from serve_app.prefix_affinity import PrefixAffinityOptions, PrefixIndex, affinity_key
+from serve_app.prefix_affinity import PrefixAffinityOptions, PrefixIndex, PrefixLog, Route, affinity_key
 from serve_app.protocol import GenerationJob
+
+logger = logging.getLogger("ray.serve")
 
 
 class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -31,9 +39,14 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, **options: Any) -> None:
         self._options = PrefixAffinityOptions(**options)
         self._index = PrefixIndex(self._options.chunk_chars, self._options.max_chunks)
+        self._name = uuid.uuid4().hex  # this router's routes in the shared log
+        self._unshared: list[Route] = []
+        self._sharing: asyncio.Task | None = None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if self._sharing is None:  # the first call on the router's event loop
+            self._sharing = asyncio.get_running_loop().create_task(self._share_forever())
         pair = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         key = _key(pending_request)
         if not pair or not key:
@@ -55,8 +68,36 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         key = _key(pending_request)
-        if key:
-            self._index.record(self._index.chunk_hashes(key), replica_id.to_full_id_str())
+        if not key:
+            return
+        route = (replica_id.to_full_id_str(), self._index.chunk_hashes(key))
+        self._index.record(route[1], route[0])
+        self._unshared.append(route)
+
+    async def _share_forever(self) -> None:
+        """Send this router's new routes to the shared log and learn the other routers' (those to live replicas)."""
+        log, cursor = None, 0
+        while True:
+            await asyncio.sleep(self._options.share_period_s)
+            routes, self._unshared = self._unshared, []
+            try:
+                log = log or self._shared_log()
+                news, cursor = await log.exchange.remote(self._name, routes, cursor)
+            except Exception as exc:  # the log died with its owner: the next exchange makes a new one
+                logger.warning("prefix routes not shared: %s", type(exc).__name__)
+                log = None
+                continue
+            live = {replica_id.to_full_id_str() for replica_id in self._replica_id_set}
+            for replica, hashes in news:
+                if replica in live:
+                    self._index.record(hashes, replica)
+
+    def _shared_log(self) -> ray.actor.ActorHandle:
+        # owned by the first ingress replica to ask, so it ends with the app; if that replica goes first, the next
+        # exchange anywhere creates a fresh one
+        name = f"PrefixLog:{self._deployment_id.app_name}:{self._deployment_id.name}"
+        return ray.remote(PrefixLog).options(name=name, namespace="serve", get_if_exists=True, num_cpus=0).remote(
+            self._options.max_chunks)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

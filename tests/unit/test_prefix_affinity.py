@@ -5,7 +5,7 @@ from pydantic import ValidationError
 
 from engine import SamplingParams
 from serve_app.config import AppArgs
-from serve_app.prefix_affinity import PrefixIndex, affinity_key
+from serve_app.prefix_affinity import PrefixIndex, PrefixLog, affinity_key
 from serve_app.protocol import GenerationJob
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 12}
@@ -87,6 +87,7 @@ def bare_router(**options):
     router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
     router.initialize_state(**options)
     router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    router._sharing = "not here"  # no event loop: sharing between ingress replicas is tested served
     return router
 
 
@@ -108,6 +109,7 @@ def test_router_prefers_the_holder_until_it_is_busier_than_the_gap():
     router.on_request_routed(SimpleNamespace(args=[job(history)]), a.replica_id, None)
     next_turn = affinity_key(job(history + [{"role": "assistant", "content": "They guide ships."}]))
     assert router._holders(next_turn, [a, b]) == [a]
+    assert router._unshared == [(a.replica_id.to_full_id_str(), router._index.chunk_hashes(affinity_key(job(history))))]
     router._replica_queue_len_cache.update(a.replica_id, 5)
     router._replica_queue_len_cache.update(b.replica_id, 2)
     assert router._holders(next_turn, [a, b]) == [a]  # 3 more in flight: within the gap
@@ -126,3 +128,29 @@ def test_router_ignores_a_start_shorter_than_the_match_share():
     long_tail = [SYSTEM, {"role": "user", "content": "A much longer question than the system prompt. " * 10}]
     assert router._holders(affinity_key(job(short_tail)), [a, b]) == [a]
     assert router._holders(affinity_key(job(long_tail)), [a, b]) == []
+
+
+def test_log_hands_each_router_the_others_routes_once():
+    log = PrefixLog(max_chunks=100)
+    assert log.exchange("x", [("r1", [1, 2])], 0) == ([], 1)
+    assert log.exchange("y", [("r2", [3])], 0) == ([("r1", [1, 2])], 2)
+    news, cursor = log.exchange("x", [], 1)
+    assert (news, cursor) == ([("r2", [3])], 2)
+    assert log.exchange("x", [], cursor) == ([], 2)
+
+
+def test_log_drops_its_oldest_routes_past_the_bound_and_restarts_a_foreign_cursor():
+    log = PrefixLog(max_chunks=3)
+    log.exchange("x", [("r1", [1, 2]), ("r1", [3, 4])], 0)
+    assert log.exchange("y", [], 0) == ([("r1", [3, 4])], 2)  # [1, 2] dropped: 4 chunks > 3
+    assert log.exchange("y", [], 99) == ([("r1", [3, 4])], 2)  # a cursor from a log that died: read from the start
+
+
+def test_chunk_hashes_are_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    code = "from serve_app.prefix_affinity import PrefixIndex; print(PrefixIndex(4, 10).chunk_hashes('abcdefgh\\ud800xyz'))"
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(runs) == 1 and runs.pop().strip() == str(PrefixIndex(4, 10).chunk_hashes("abcdefgh\ud800xyz"))
