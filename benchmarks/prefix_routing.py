@@ -9,6 +9,7 @@ driven one at a time; each run's conversations are new, so no run inherits anoth
 
     python benchmarks/prefix_routing.py [--users 8] [--conversations 2] [--turns 4] [--document-words 700]
         [--think-s 2] [--replicas 2] [--repeats 3]
+    python benchmarks/prefix_routing.py --decision-only
 """
 from __future__ import annotations
 
@@ -123,12 +124,47 @@ def deploy(dtype: str, replicas: int, kv_blocks: int | None, port: int) -> dict[
     return bases
 
 
+def decision_cost() -> None:
+    """What one routing decision costs the ingress's event loop: the key, its chunk hashes, the lookup and the record,
+    for chat prompts of growing size, against an index already holding 10,000 other conversations."""
+    import timeit
+
+    from engine import SamplingParams
+    from serve_app.prefix_affinity import PrefixAffinityOptions, PrefixIndex, affinity_key
+    from serve_app.protocol import GenerationJob
+
+    options = PrefixAffinityOptions()
+    index = PrefixIndex(options.chunk_chars, options.max_chunks)
+    rng = random.Random(0)
+    for number in range(10_000):
+        index.record(index.chunk_hashes(f"{number} " + paragraph(rng, 200, 200)), f"replica-{number % 8}")
+    table = Table(title="one routing decision (key, hashes, lookup, record), medians of 5 timings")
+    for column in ("prompt characters", "chunks", "microseconds"):
+        table.add_column(column, justify="right")
+    for size in (1_000, 10_000, 100_000, 1_000_000):
+        job = GenerationJob("r", [{"role": "user", "content": paragraph(rng, size // 7, size // 7)[:size]}],
+                            SamplingParams(max_tokens=1))
+
+        def decide():
+            hashes = index.chunk_hashes(affinity_key(job))
+            index.longest_match(hashes, {f"replica-{n}" for n in range(8)})
+            index.record(hashes, "replica-0")
+
+        runs = 20 if size < 1_000_000 else 3
+        seconds = statistics.median(timeit.repeat(decide, number=runs, repeat=5)) / runs
+        table.add_row(f"{size:,}", f"{size // options.chunk_chars:,}", f"{seconds * 1e6:,.0f}")
+    Console().print(table)
+
+
 def main(users: int = 8, conversations: int = 2, turns: int = 4, document_words: int = 700, max_tokens: int = 32,
          think_s: float = typer.Option(2.0, help="mean pause before each turn (uniform, 0.5x to 1.5x)"),
          replicas: int = typer.Option(2, help="engine replicas per app, one engine thread each"),
          kv_blocks: int = typer.Option(None, help="KV blocks per replica (default: the engine's sizing, ~2 GB each): "
                                                   "both apps' replicas must fit in memory together"),
-         repeats: int = 3, dtype: str = "bfloat16"):
+         repeats: int = 3, dtype: str = "bfloat16",
+         decision_only: bool = typer.Option(False, help="time one routing decision in this process, and stop")):
+    if decision_only:
+        return decision_cost()
     import ray
     from ray import serve
 

@@ -28,8 +28,8 @@ class PrefixAffinityOptions(BaseModel):
     max_chunks: int = Field(default=200_000, ge=1, description=(
         "chunks remembered per ingress process, least recently routed forgotten first (about 25 MB at the default)"))
     min_match_share: float = Field(default=0.1, ge=0, le=1, description=(
-        "route by affinity only when the known start covers this share of the key (Ray Serve LLM's "
-        "PrefixCacheAffinityRouter: 0.1); below it, power of two choices"))
+        "route by affinity only when the known start covers this share of the key's chunks (Ray Serve LLM's "
+        "PrefixCacheAffinityRouter: 0.1 of its characters); below it, power of two choices"))
     max_load_gap: int = Field(default=20, ge=0, description=(
         "route by affinity only to a replica with at most this many more ongoing requests than the least busy "
         "one (the imbalance threshold of Ray Serve LLM's documented example: 20)"))

@@ -48,18 +48,28 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if self._sharing is None:  # the first call on the router's event loop
             self._sharing = asyncio.get_running_loop().create_task(self._share_forever())
         pair = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
-        key = _key(pending_request)
-        if not pair or not key:
+        hashes = self._hashes(pending_request)
+        if not pair or not hashes:
             return pair
-        holders = self._holders(key, candidate_replicas)
+        holders = self._holders(hashes, candidate_replicas)
         return [holders, *pair] if holders else pair
 
-    def _holders(self, key: str, candidates: list[RunningReplica]) -> list[RunningReplica]:
-        """The replicas sent the longest known start of `key`, if it is long enough and they are not overloaded."""
+    def _hashes(self, pending_request: PendingRequest | None) -> list[int] | None:
+        """A generation's chunk hashes, computed once and carried on the request (routing may retry; recording
+        follows); None for any other call (stats, tokenize), which power of two choices routes."""
+        if pending_request is None:
+            return None
+        if not hasattr(pending_request, "prefix_hashes"):
+            job = pending_request.args[0] if pending_request.args else None
+            key = affinity_key(job) if isinstance(job, GenerationJob) else None
+            pending_request.prefix_hashes = self._index.chunk_hashes(key) if key else None
+        return pending_request.prefix_hashes
+
+    def _holders(self, hashes: list[int], candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The replicas sent the longest known start of a key, if it is long enough and they are not overloaded."""
         by_id = {replica.replica_id.to_full_id_str(): replica for replica in candidates}
-        hashes = self._index.chunk_hashes(key)
         matched, holders = self._index.longest_match(hashes, by_id)
-        if not holders or matched * self._options.chunk_chars < self._options.min_match_share * len(key):
+        if not holders or matched < self._options.min_match_share * len(hashes):
             return []
         loads = {rid: self._replica_queue_len_cache.get(replica.replica_id) for rid, replica in by_id.items()}
         least = min((load for load in loads.values() if load is not None), default=0)
@@ -67,12 +77,10 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 if loads[rid] is None or loads[rid] - least <= self._options.max_load_gap]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        key = _key(pending_request)
-        if not key:
-            return
-        route = (replica_id.to_full_id_str(), self._index.chunk_hashes(key))
-        self._index.record(route[1], route[0])
-        self._unshared.append(route)
+        hashes = self._hashes(pending_request)
+        if hashes:
+            self._index.record(hashes, replica_id.to_full_id_str())
+            self._unshared.append((replica_id.to_full_id_str(), hashes))
 
     async def _share_forever(self) -> None:
         """Send this router's new routes to the shared log and learn the other routers' (those to live replicas)."""
@@ -103,9 +111,3 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._index.forget(replica_id.to_full_id_str())
 
-
-def _key(pending_request: PendingRequest | None) -> str | None:
-    """A generation's affinity key; None for any other call (stats, tokenize), which power of two choices routes."""
-    args = pending_request.args if pending_request is not None else ()
-    job = args[0] if args else None
-    return affinity_key(job) if isinstance(job, GenerationJob) else None

@@ -107,7 +107,7 @@ def test_router_prefers_the_holder_until_it_is_busier_than_the_gap():
     a, b = replicas("a", "b")
     history = [SYSTEM, {"role": "user", "content": "Tell me about lighthouses. " * 10}]
     router.on_request_routed(SimpleNamespace(args=[job(history)]), a.replica_id, None)
-    next_turn = affinity_key(job(history + [{"role": "assistant", "content": "They guide ships."}]))
+    next_turn = router._index.chunk_hashes(affinity_key(job(history + [{"role": "assistant", "content": "Ships."}])))
     assert router._holders(next_turn, [a, b]) == [a]
     assert router._unshared == [(a.replica_id.to_full_id_str(), router._index.chunk_hashes(affinity_key(job(history))))]
     router._replica_queue_len_cache.update(a.replica_id, 5)
@@ -115,7 +115,7 @@ def test_router_prefers_the_holder_until_it_is_busier_than_the_gap():
     assert router._holders(next_turn, [a, b]) == [a]  # 3 more in flight: within the gap
     router._replica_queue_len_cache.update(a.replica_id, 6)
     assert router._holders(next_turn, [a, b]) == []  # 4 more: power of two choices decides
-    assert router._holders(affinity_key(job("An unrelated prompt " * 20)), [a, b]) == []
+    assert router._holders(router._index.chunk_hashes("An unrelated prompt " * 20), [a, b]) == []
 
 
 def test_router_ignores_a_start_shorter_than_the_match_share():
@@ -126,8 +126,8 @@ def test_router_ignores_a_start_shorter_than_the_match_share():
     router.on_request_routed(SimpleNamespace(args=[job([SYSTEM])]), a.replica_id, None)
     short_tail = [SYSTEM, {"role": "user", "content": "Hi"}]
     long_tail = [SYSTEM, {"role": "user", "content": "A much longer question than the system prompt. " * 10}]
-    assert router._holders(affinity_key(job(short_tail)), [a, b]) == [a]
-    assert router._holders(affinity_key(job(long_tail)), [a, b]) == []
+    assert router._holders(router._index.chunk_hashes(affinity_key(job(short_tail))), [a, b]) == [a]
+    assert router._holders(router._index.chunk_hashes(affinity_key(job(long_tail))), [a, b]) == []
 
 
 def test_log_hands_each_router_the_others_routes_once():
