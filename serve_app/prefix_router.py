@@ -41,6 +41,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._index = PrefixIndex(self._options.chunk_chars, self._options.max_chunks)
         self._name = uuid.uuid4().hex  # this router's routes in the shared log
         self._unshared: list[Route] = []
+        self._unshared_chunks = 0
         self._sharing: asyncio.Task | None = None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -80,14 +81,16 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         hashes = self._hashes(pending_request)
         if hashes:
             self._index.record(hashes, replica_id.to_full_id_str())
-            self._unshared.append((replica_id.to_full_id_str(), hashes))
+            if self._unshared_chunks + len(hashes) <= self._options.max_chunks:  # past it, kept here only
+                self._unshared.append((replica_id.to_full_id_str(), hashes))
+                self._unshared_chunks += len(hashes)
 
     async def _share_forever(self) -> None:
         """Send this router's new routes to the shared log and learn the other routers' (those to live replicas)."""
         log, cursor = None, 0
         while True:
             await asyncio.sleep(self._options.share_period_s)
-            routes, self._unshared = self._unshared, []
+            routes, self._unshared, self._unshared_chunks = self._unshared, [], 0
             try:
                 log = log or self._shared_log()
                 news, cursor = await log.exchange.remote(self._name, routes, cursor)

@@ -118,6 +118,16 @@ def test_router_prefers_the_holder_until_it_is_busier_than_the_gap():
     assert router._holders(router._index.chunk_hashes("An unrelated prompt " * 20), [a, b]) == []
 
 
+def test_router_shares_no_more_chunks_a_period_than_it_remembers():
+    from types import SimpleNamespace
+
+    router = bare_router(chunk_chars=16, max_chunks=10)
+    a, = replicas("a")
+    for number in range(3):
+        router.on_request_routed(SimpleNamespace(args=[job(f"{number} " + "x" * 70)]), a.replica_id, None)  # 4 chunks
+    assert [len(hashes) for _, hashes in router._unshared] == [4, 4]
+
+
 def test_router_ignores_a_start_shorter_than_the_match_share():
     from types import SimpleNamespace
 
