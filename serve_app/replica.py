@@ -96,10 +96,27 @@ class EngineReplica:
                 self.frontend.abort_now(stream.request_id)
             return _refusal(exc, job)
 
+    async def _admitted(self, job: GenerationJob) -> tuple[list[RequestStream], list[int]] | Refused:
+        """The job's admission. A caller that goes meanwhile (a client's disconnect cancels us) does not stop its
+        batch, which enqueues the job anyway: its requests are aborted once enqueued, or they would run to
+        max_tokens for nobody."""
+        admission = asyncio.ensure_future(self._admit(job))
+        try:
+            return await asyncio.shield(admission)
+        except asyncio.CancelledError:
+            admission.add_done_callback(self._abort_admitted)
+            raise
+
+    def _abort_admitted(self, admission: asyncio.Future) -> None:
+        admitted = None if admission.cancelled() or admission.exception() else admission.result()
+        if admitted is not None and not isinstance(admitted, Refused):
+            for stream in admitted[0]:
+                self.frontend.abort_now(stream.request_id)
+
     async def generate(self, job: GenerationJob):
         """Streams: first Admitted or Refused, then Deltas, each for one choice."""
         started = time.monotonic()
-        admitted = await self._admit(job)
+        admitted = await self._admitted(job)
         if isinstance(admitted, Refused):
             yield admitted
             return

@@ -69,6 +69,28 @@ async def test_clients_that_give_up_on_whole_completions_free_every_block(base_u
     assert generated < clients * body["max_tokens"] / 2, generated  # aborted, not run to their end
 
 
+async def test_clients_that_leave_during_admission_leave_no_generation_behind(base_url, auth, replica_handle):
+    """A client that closes its connection while its request is being admitted (tens of ms after sending it)
+    cancels the replica's call while the request sits in an admission batch, which enqueues it anyway: such
+    requests ran to max_tokens for nobody (one in four, closing 40 ms after sending, on a 2-core Zen 4)."""
+    body = json.dumps({**LONG, "ignore_eos": True}).encode()
+    host, port = base_url.removeprefix("http://").split(":")
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+               + f"Authorization: {auth['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    before = (await replica_handle.stats.remote()).engine.generation_tokens
+    delays_ms = range(20, 85, 5)  # across the admission window, wherever this machine's falls
+    for delay_ms in delays_ms:
+        for _ in range(4):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(request)
+            await asyncio.sleep(delay_ms / 1000)
+            writer.close()
+    stats, _ = await idle_within(replica_handle, 60)
+    generated = stats.engine.generation_tokens - before
+    log.warning("%d clients gone during admission: %d tokens generated", 4 * len(delays_ms), generated)
+    assert generated < LONG["max_tokens"] / 2, generated  # each stopped within a few tokens, none ran to its end
+
+
 async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
     """BENCHMARKS claims no 5xx under a burst: overload is the engine's own 429, never a 503."""
     # ignore_eos: this raw (untemplated) prompt makes the model stop at once, which hid nothing but proved nothing
