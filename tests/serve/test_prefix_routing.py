@@ -34,21 +34,47 @@ def two_replicas(serve_app):
         yield base
 
 
-def test_each_conversation_stays_on_the_replica_holding_its_history(two_replicas, auth):
-    # one request at a time, turns interleaved across conversations: every replica idle when a turn is routed, so
-    # load says nothing about where its history is (with concurrent closed-loop clients, the replica that just
-    # finished a conversation's turn is often the less busy one, which makes Serve's default look sticky)
-    conversations = [[{"role": "user", "content": f"Conversation {number}. {PASSAGE} What did the keeper count?"}]
-                     for number in range(CONVERSATIONS)]
+def converse(base: str, auth: dict, conversations: list[list[dict]], turns: int) -> list[list[dict]]:
+    """`turns` more turns of each conversation, one request at a time, interleaved; each turn's usage."""
     usages = [[] for _ in conversations]
-    with httpx.Client(base_url=two_replicas, headers=auth, timeout=120) as http:
-        for _ in range(TURNS):
+    with httpx.Client(base_url=base, headers=auth, timeout=120) as http:
+        for _ in range(turns):
             for messages, usage in zip(conversations, usages):
                 r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0})
                 assert r.status_code == 200, r.text
                 usage.append(r.json()["usage"])
                 messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                              {"role": "user", "content": "And then?"}]
-    for usage in usages:
-        for before, after in zip(usage, usage[1:]):
-            assert after["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] - BLOCK_SIZE, usage
+    return usages
+
+
+def assert_history_found(usage: list[dict]) -> None:
+    for before, after in zip(usage, usage[1:]):
+        assert after["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] - BLOCK_SIZE, usage
+
+
+def new_conversations(tag: str) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"{tag} conversation {number}. {PASSAGE} What did the keeper count?"}]
+            for number in range(CONVERSATIONS)]
+
+
+def test_each_conversation_stays_on_the_replica_holding_its_history(two_replicas, auth):
+    # one request at a time, turns interleaved across conversations: every replica idle when a turn is routed, so
+    # load says nothing about where its history is (with concurrent closed-loop clients, the replica that just
+    # finished a conversation's turn is often the less busy one, which makes Serve's default look sticky)
+    for usage in converse(two_replicas, auth, new_conversations("First"), TURNS):
+        assert_history_found(usage)
+
+
+def test_conversations_on_a_replica_that_dies_carry_on_elsewhere(two_replicas, auth):
+    """The holder of half the histories is killed: their next turns are served (by the other replica, or its
+    replacement), and the turns after those find their history again there."""
+    import ray
+    from ray import serve
+
+    conversations = new_conversations("Second")
+    converse(two_replicas, auth, conversations, 1)
+    victim = serve.get_deployment_handle("EngineReplica", app_name="affinity").stats.remote().result(timeout_s=30)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::affinity#EngineReplica#{victim.placement.replica_id}", namespace="serve"))
+    for usage in converse(two_replicas, auth, conversations, 2):
+        assert_history_found(usage)
