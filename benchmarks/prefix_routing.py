@@ -8,7 +8,7 @@ percentiles, and requests per second. Both apps are deployed side by side with o
 driven one at a time; each run's conversations are new, so no run inherits another's cache.
 
     python benchmarks/prefix_routing.py [--users 8] [--conversations 2] [--turns 4] [--document-words 700]
-        [--think-s 2] [--replicas 2] [--repeats 3]
+        [--think-s 2] [--system-words 0] [--replicas 2] [--repeats 3]
     python benchmarks/prefix_routing.py --decision-only
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -64,64 +65,53 @@ async def turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -
             "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-async def user(http: httpx.AsyncClient, rng: random.Random, name: str, conversations: int, turns: int,
-               words: int, max_tokens: int, think_s: float, bar: tqdm) -> list[list[dict]]:
+@dataclass
+class Workload:
+    users: int
+    conversations: int  # each user's, one after another
+    turns: int
+    document_words: int  # each conversation's own document, in its first turn
+    system_words: int  # a system prompt every conversation of a run shares (0: none)
+    max_tokens: int
+    think_s: float
+
+
+async def user(http: httpx.AsyncClient, rng: random.Random, name: str, system: str, work: Workload,
+               bar: tqdm) -> list[list[dict]]:
     held = []
-    for number in range(conversations):
-        document = paragraph(rng, words, words)
-        messages, results = [], []
-        for question in rng.sample(QUESTIONS, turns):
-            await asyncio.sleep(rng.uniform(0.5, 1.5) * think_s)
-            content = f"{name}, conversation {number}.\n\n{document}\n\n{question}" if not messages else question
+    for number in range(work.conversations):
+        document = paragraph(rng, work.document_words, work.document_words)
+        messages, results = [{"role": "system", "content": system}] if system else [], []
+        for question in rng.sample(QUESTIONS, work.turns):
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * work.think_s)
+            first = len(results) == 0
+            content = f"{name}, conversation {number}.\n\n{document}\n\n{question}" if first else question
             messages.append({"role": "user", "content": content})
-            results.append(await turn(http, messages, max_tokens))
+            results.append(await turn(http, messages, work.max_tokens))
             bar.update(1)
         held.append(results)
     return held
 
 
-async def one_run(base: str, run: int, users: int, conversations: int, turns: int, words: int, max_tokens: int,
-                  think_s: float, router: str) -> dict:
-    bar = tqdm(total=users * conversations * turns, desc=f"run {run}, {router}", leave=False)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=users)) as http:
+async def one_run(base: str, run: int, work: Workload, router: str) -> dict:
+    bar = tqdm(total=work.users * work.conversations * work.turns, desc=f"run {run}, {router}", leave=False)
+    system = paragraph(random.Random(f"system-{run}"), work.system_words, work.system_words) if work.system_words else ""
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=work.users)) as http:
         start = time.perf_counter()
-        held = await asyncio.gather(*(user(http, random.Random(f"{run}-{u}"), f"Run {run}, user {u}", conversations,
-                                           turns, words, max_tokens, think_s, bar) for u in range(users)))
+        held = await asyncio.gather(*(user(http, random.Random(f"{run}-{u}"), f"Run {run}, user {u}", system, work, bar)
+                                      for u in range(work.users)))
         wall = time.perf_counter() - start
     bar.close()
     requests = [r for conversation_list in held for conversation in conversation_list for r in conversation]
     later = [(before, after) for conversation_list in held for conversation in conversation_list
              for before, after in zip(conversation, conversation[1:])]
+    found = sum(a["cached"] >= b["prompt"] - BLOCK_SIZE for b, a in later) / len(later) if later else float("nan")
     return {"cached share": sum(r["cached"] for r in requests) / sum(r["prompt"] for r in requests),
-            "history found": sum(a["cached"] >= b["prompt"] - BLOCK_SIZE for b, a in later) / len(later),
+            "history found": found,
             "ttft p50": percentile([r["ttft"] for r in requests], 0.5),
             "ttft p90": percentile([r["ttft"] for r in requests], 0.9),
             "e2e p50": percentile([r["e2e"] for r in requests], 0.5),
             "req/s": len(requests) / wall}
-
-
-def deploy(dtype: str, replicas: int, kv_blocks: int | None, port: int) -> dict[str, str]:
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.ray_env import setdefault_ray_env
-
-    setdefault_ray_env()  # as make serve
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    bases = {}
-    for router in ROUTERS:
-        args = {"engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32, "num_kv_blocks": kv_blocks},
-                "request_router": router, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0,
-                "report_cached_tokens": True}
-        serve.run(build_app(args), name=router, route_prefix=f"/{router}", blocking=False)
-        bases[router] = f"http://127.0.0.1:{port}/{router}"
-    for router, base in bases.items():
-        wait_healthy(base, 600)
-        while serve.status().applications[router].deployments["EngineReplica"].replica_states.get("RUNNING") != replicas:
-            time.sleep(0.5)
-    return bases
 
 
 def decision_cost() -> None:
@@ -158,6 +148,7 @@ def decision_cost() -> None:
 
 def main(users: int = 8, conversations: int = 2, turns: int = 4, document_words: int = 700, max_tokens: int = 32,
          think_s: float = typer.Option(2.0, help="mean pause before each turn (uniform, 0.5x to 1.5x)"),
+         system_words: int = typer.Option(0, help="a system prompt of this many words that every conversation shares"),
          replicas: int = typer.Option(2, help="engine replicas per app, one engine thread each"),
          kv_blocks: int = typer.Option(None, help="KV blocks per replica (default: the engine's sizing, ~2 GB each): "
                                                   "both apps' replicas must fit in memory together"),
@@ -168,19 +159,20 @@ def main(users: int = 8, conversations: int = 2, turns: int = 4, document_words:
     import ray
     from ray import serve
 
+    work = Workload(users, conversations, turns, document_words, system_words, max_tokens, think_s)
     bases = deploy(dtype, replicas, kv_blocks, free_port())
     try:
         runs: dict[str, list[dict]] = {router: [] for router in ROUTERS}
         for run in range(repeats):
             order = ROUTERS if run % 2 == 0 else ROUTERS[::-1]  # alternated: the first of a pair can run faster
             for router in order:
-                runs[router].append(asyncio.run(one_run(bases[router], run, users, conversations, turns,
-                                                        document_words, max_tokens, think_s, router)))
+                runs[router].append(asyncio.run(one_run(bases[router], run, work, router)))
     finally:
         serve.shutdown()
         ray.shutdown()
     table = Table(title=f"{users} users x {conversations} conversations x {turns} turns over {replicas} replicas (1 "
-                        f"engine thread each), documents of {document_words} words, {max_tokens} tokens a turn, "
+                        f"engine thread each), documents of {document_words} words, a shared system prompt of "
+                        f"{system_words} words, {max_tokens} tokens a turn, "
                         f"think time {think_s} s, {dtype}: "
                         f"medians of {repeats} runs")
     columns = list(runs[ROUTERS[0]][0])
