@@ -114,6 +114,30 @@ async def one_run(base: str, run: int, work: Workload, router: str) -> dict:
             "req/s": len(requests) / wall}
 
 
+def deploy(dtype: str, replicas: int, kv_blocks: int | None, port: int) -> dict[str, str]:
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.ray_env import setdefault_ray_env
+
+    setdefault_ray_env()  # as make serve
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    bases = {}
+    for router in ROUTERS:
+        args = {"engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32, "num_kv_blocks": kv_blocks},
+                "request_router": router, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0,
+                "report_cached_tokens": True}
+        serve.run(build_app(args), name=router, route_prefix=f"/{router}", blocking=False)
+        bases[router] = f"http://127.0.0.1:{port}/{router}"
+    for router, base in bases.items():
+        wait_healthy(base, 600)
+        while serve.status().applications[router].deployments["EngineReplica"].replica_states.get("RUNNING") != replicas:
+            time.sleep(0.5)
+    return bases
+
+
 def decision_cost() -> None:
     """What one routing decision costs the ingress's event loop: the key, its chunk hashes, the lookup and the record,
     for chat prompts of growing size, against an index already holding 10,000 other conversations."""
