@@ -19,13 +19,9 @@ import uuid
 from typing import Any
 
 import ray
-
-from ray.serve._private.common import ReplicaID
-from ray.serve._private.replica_result import ReplicaResult
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default, reused as such
+from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter,
+                                      RunningReplica)
 
 from serve_app.prefix_affinity import PrefixAffinityOptions, PrefixIndex, PrefixLog, Route, affinity_key
 from serve_app.protocol import GenerationJob
@@ -77,7 +73,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return [by_id[rid] for rid in sorted(holders)
                 if loads[rid] is None or loads[rid] - least <= self._options.max_load_gap]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         hashes = self._hashes(pending_request)
         if hashes:
             self._index.record(hashes, replica_id.to_full_id_str())
