@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.conftest import whole_app
+from tests.serve.conftest import wait_idle, whole_app
 
 pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16  # EngineConfig's default: a cache hit covers whole blocks
@@ -32,6 +32,21 @@ def two_replicas(serve_app):
             time.sleep(0.5)
             deployments = serve.status().applications["affinity"].deployments
         yield base
+
+
+@pytest.fixture(autouse=True)
+def both_replicas_free_after_test(two_replicas):
+    """As conftest's check for the session's replica: every running replica of this app idle, every block free.
+    A stats call reaches one replica at random, so calls go on until each running one has answered idle."""
+    from ray import serve
+
+    yield
+    handle = serve.get_deployment_handle("EngineReplica", app_name="affinity")
+    running = serve.status().applications["affinity"].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+    idle, deadline = set(), time.monotonic() + 30
+    while len(idle) < running:
+        assert time.monotonic() < deadline, f"only {len(idle)} of {running} replicas seen idle"
+        idle.add(wait_idle(handle).placement.replica_id)
 
 
 def converse(base: str, auth: dict, conversations: list[list[dict]], turns: int) -> list[list[dict]]:
