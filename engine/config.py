@@ -34,6 +34,16 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+class LoRAModule(BaseModel):
+    """A LoRA adapter served beside the base model, as vLLM's `--lora-modules name=path`: a PEFT directory
+    (adapter_config.json, adapter_model.safetensors) whose adapter a request chooses by `name`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256, description="what requests give as their model")
+    path: str = Field(min_length=1, description="the adapter's PEFT directory")
+
+
 class EngineConfig(BaseModel):
     # no protected namespace: `model_impl` is vLLM's name, and pydantic before 2.10 warned that it starts with model_
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -91,6 +101,10 @@ class EngineConfig(BaseModel):
         "lock, as vLLM's v1 does; False: in the caller's process (AsyncLLMEngine on a thread of its own, LLM on the "
         "calling thread)"))
     speculative: SpeculativeConfig | None = Field(default=None, description="n-gram speculative decoding; None: off")
+    lora_modules: tuple[LoRAModule, ...] = Field(default=(), description=(
+        "LoRA adapters loaded at start, each chosen per request by name; requests of different adapters and of the "
+        "base model share a batch (native Llama-family models only)"))
+    max_lora_rank: int = Field(default=64, ge=1, description="the largest adapter rank accepted (vLLM's flag)")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -98,6 +112,9 @@ class EngineConfig(BaseModel):
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.quantization == "gguf" and not (self.model == DEFAULT_MODEL or self.model.endswith(".gguf")):
             raise ValueError(f"quantization gguf needs the embedded model or a local .gguf file, not {self.model!r}")
+        names = [module.name for module in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: each adapter needs a name of its own, got {names}")
         return self
 
     def resolved_num_threads(self) -> int:

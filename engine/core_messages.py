@@ -28,6 +28,7 @@ class EngineRequest(msgspec.Struct):
     cache_salt: str | None = None
     prompt_leader: str | None = None  # an earlier request with the same prompt (the choices of n > 1)
     priority: int = 0  # the scheduling policy "priority" serves a lower value first
+    lora_name: str | None = None  # the LoRA adapter (EngineConfig.lora_modules) it runs; None: the base model
 
 
 class CoreInputs(msgspec.Struct):

@@ -33,10 +33,11 @@ class InputProcessor:
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
                 prompt_leader: str | None = None, priority: int = 0,
-                options: chat.ChatOptions = chat.DEFAULT_OPTIONS) -> EngineRequest:
+                options: chat.ChatOptions = chat.DEFAULT_OPTIONS, lora_name: str | None = None) -> EngineRequest:
         """Validate and tokenize; EngineInputError names the field at fault."""
         params = params or SamplingParams()
         self._check_cache_salt(cache_salt)
+        self.check_lora_name(lora_name)
         self._check_priority(priority)
         self._check_token_ids(params)
         params = self._with_bad_words_tokenized(params)
@@ -46,7 +47,7 @@ class InputProcessor:
             self.grammars.check(params.structured_output)  # refuses a schema that cannot compile, here
         return EngineRequest(request_id, token_ids, params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader,
-                             priority)
+                             priority, lora_name)
 
     def tokenize(self, prompt: Prompt, tools: list[dict] | None = None,
                  options: chat.ChatOptions = chat.DEFAULT_OPTIONS) -> list[int]:
@@ -126,6 +127,15 @@ class InputProcessor:
             if len(spaced) == len(bare) and spaced[0] != bare[0]:
                 words.append(spaced)
         return dataclasses.replace(params, bad_words_token_ids=tuple(words))
+
+    def check_lora_name(self, lora_name: str | None) -> None:
+        if lora_name is None:
+            return
+        names = [module.name for module in self.config.lora_modules]
+        if lora_name not in names:
+            served = f"its adapters are {', '.join(map(repr, names))}" if names else "it serves no adapter"
+            raise EngineInputError(f"lora_name {str(lora_name)[:256]!r} is not a LoRA adapter of this engine; {served}",
+                                   "lora_name")
 
     def _check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:

@@ -49,37 +49,46 @@ class LLM:
         return self.core.engine
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Each prompt's final output, in order. `priority`: one per prompt, under the priority policy (vLLM's)."""
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Each prompt's final output, in order. `priority`: one per prompt, under the priority policy (vLLM's);
+        `lora_name`: the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's
+        `lora_request`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run(prompts, params, use_tqdm, priority)
+        return self._run(prompts, params, use_tqdm, priority, lora_name=lora_name)
 
     def chat(self, conversations: list[Messages] | Messages,
              params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              tools: list[dict] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             priority: list[int] | None = None) -> list[RequestOutput]:
+             priority: list[int] | None = None, lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Each conversation's final output, rendered by the model's chat template as vLLM's LLM.chat does: with
         `tools` offered, the assistant's turn opened or the last message continued, extra template variables."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
-        return self._run(list(conversations), params, use_tqdm, priority, tools, options)
+        return self._run(list(conversations), params, use_tqdm, priority, tools, options, lora_name)
 
     def _run(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
              priority: list[int] | None, tools: list[dict] | None = None,
-             options: ChatOptions = DEFAULT_OPTIONS) -> list[RequestOutput]:
+             options: ChatOptions = DEFAULT_OPTIONS,
+             lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
         priorities = priority if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise EngineInputError(f"got {len(priorities)} priorities for {len(prompts)} prompts", "priority")
+        adapters = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise EngineInputError(f"got {len(adapters)} lora names for {len(prompts)} prompts", "lora_name")
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
-        for added, (request_id, prompt, p, rank) in enumerate(zip(ids, prompts, params_list, priorities)):
+        for added, (request_id, prompt, p, rank, adapter) in enumerate(zip(ids, prompts, params_list, priorities,
+                                                                           adapters)):
             try:
-                self.add_request(request_id, prompt, p, tools=tools, final_only=True, priority=rank, options=options)
+                self.add_request(request_id, prompt, p, tools=tools, final_only=True, priority=rank, options=options,
+                                 lora_name=adapter)
             except BaseException:  # one refused prompt refuses the batch: the ones before it must not run on
                 for earlier in ids[:added]:
                     self.abort(earlier)
@@ -99,13 +108,14 @@ class LLM:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, tools: list[dict] | None = None,
                     prompt_leader: str | None = None, final_only: bool = False, priority: int = 0,
-                    options: ChatOptions = DEFAULT_OPTIONS) -> None:
+                    options: ChatOptions = DEFAULT_OPTIONS, lora_name: str | None = None) -> None:
         """Validate, tokenize and enqueue (EngineInputError names the field at fault). Requests with a `cache_salt`
         share prefix-cache blocks only with requests carrying the same salt; one naming a `prompt_leader` (an
         earlier request with the same prompt, as the choices of n > 1 are) shares that request's prompt blocks.
-        With `final_only`, `step` reports the request once, finished."""
+        With `final_only`, `step` reports the request once, finished; `lora_name` names the LoRA adapter that runs it."""
         request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, tools=tools,
-                                      prompt_leader=prompt_leader, priority=priority, options=options)
+                                      prompt_leader=prompt_leader, priority=priority, options=options,
+                                      lora_name=lora_name)
         self.outputs.add(request, final_only)
         try:
             self.core.add(request)

@@ -58,6 +58,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)  # the core's only use of it: the grammars' vocabulary and EOS ids
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.vocab_size
+        self.lora_names = {module.name for module in config.lora_modules}
         self.eos_token_ids = self._eos_token_ids()
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None
@@ -124,9 +125,11 @@ class LLMEngine:
         EngineOverloadedError past max_waiting. A request naming a `prompt_leader` (an earlier request with the same
         prompt, as the choices of n > 1 are) waits for it to compute the prompt and then shares its blocks."""
         params = request.params
+        if request.lora_name is not None and request.lora_name not in self.lora_names:
+            raise EngineInputError(f"lora_name {request.lora_name!r} is not a LoRA adapter of this engine", "lora_name")
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time, request.cache_salt,
-                       request.priority)
+                       request.priority, request.lora_name)
         seq.runtime = new_progress(request, grammar)
         self.inbox.put(seq, request.prompt_leader)
         return seq

@@ -16,6 +16,7 @@ from engine.sequence import Sequence
 from engine.step_stats import PhaseTimer
 
 if TYPE_CHECKING:
+    from engine.layers.lora import LoRAStep
     from engine.models import Model
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class ModelRunner:
             self.num_splits_for = num_splits_for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs; see capture_graphs
+        self.lora_step: LoRAStep | None = getattr(model, "lora_step", None)  # which rows run which LoRA adapter
         self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
         self.decode_kernel = decode_kernel
         self.write_kv = write_kv
@@ -129,6 +131,7 @@ class ModelRunner:
         host += self._decode_lists(seqs[:num_decodes], decode_lens) if num_decodes else []
         host += self._prefill_lists(seqs[num_decodes:], num_new_tokens[num_decodes:])
         device = iter(self._upload(host))
+        self._set_lora_rows(seqs, num_new_tokens)
         input_ids, positions, logits_indices, slots = (next(device) for _ in range(4))
         decode = self._decode_batch(num_decodes, max(decode_lens), device) if num_decodes else None
         meta = self._metadata(seqs[num_decodes:], num_new_tokens[num_decodes:], num_decodes, slots, decode, device)
@@ -144,6 +147,7 @@ class ModelRunner:
             slots = [_slot(seq.block_table, p, self.block_size) for seq, p in zip(seqs, positions)]
             host = [positions, list(range(len(seqs))), slots, *self._decode_lists(seqs, [p + 1 for p in positions])]
             device = iter(self._upload(host))
+            self._set_lora_rows(seqs, [1] * len(seqs))
             positions_on_device, logits_indices, slots_on_device = (next(device) for _ in range(3))
             decode = self._decode_batch(len(seqs), max(positions) + 1, device)
             meta = self._metadata([], [], len(seqs), slots_on_device, decode, device)
@@ -162,9 +166,25 @@ class ModelRunner:
         return StepLogits(sampling_seqs, sampled, rows, [PromptLogits(seq, first, prompt[offset : offset + count])
                                                          for seq, first, offset, count in prompt_spans if count])
 
+    def _set_lora_rows(self, seqs: list[Sequence], num_rows: list[int]) -> None:
+        """Tell the model's linears which of the step's rows (each sequence's, consecutive) run which adapter."""
+        if self.lora_step is None:
+            return
+        rows_of: dict[int, list[int]] = {}
+        start = 0
+        for seq, count in zip(seqs, num_rows):
+            if seq.lora_name is not None:
+                rows_of.setdefault(self.lora_step.index[seq.lora_name], []).extend(range(start, start + count))
+            start += count
+        self.lora_step.groups = [(index, None if len(rows) == start else self._tensor(rows))
+                                 for index, rows in rows_of.items()]
+
     def _replays(self, meta: AttentionMetadata, logits_indices: torch.Tensor) -> bool:
-        """Whether a captured graph runs this step: decodes only, each sampling one row, within the graphs' batch."""
+        """Whether a captured graph runs this step: decodes only, each sampling one row, within the graphs' batch, no
+        LoRA adapter among them (the graphs hold the base model's linears only)."""
         graphs, decode = self.graphs, meta.decode
+        if self.lora_step is not None and self.lora_step.active:
+            return False
         return (graphs is not None and decode is not None and meta.prefill_batch is None and not meta.prefills
                 and logits_indices.shape[0] == decode.size <= graphs.max_batch
                 and decode.block_tables.shape[1] <= graphs.block_tables.shape[1])

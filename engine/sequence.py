@@ -28,8 +28,10 @@ class RequestMetrics:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0):
+                 arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
+                 lora_name: str | None = None):
         self.request_id = request_id
+        self.lora_name = lora_name  # the LoRA adapter this request runs (None: the base model)
         self.priority = priority  # under the priority policy, a lower value is served first
         self.cache_salt = cache_salt  # keeps this request's prefix-cache blocks apart from other tenants'
         self.params = params

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.bnb_linear import bnb_linear, bnb_resident_bytes
+from engine.layers.lora import LinearLoRA
 from engine.layers.quantized import BlockWeight, PackedBlocks, block_matmul, concat_rows
 
 PACKING_ROWS_HINT = 64
@@ -40,6 +41,7 @@ class Linear(nn.Module):
         self.blocks: BlockWeight | PackedBlocks | None = None  # PackedBlocks once packed
         self.block_rows = 0
         self.bnb: nn.Module | None = None  # NF4 or int8 weights (bnb_linear.py), in place of the dense ones
+        self.lora: LinearLoRA | None = None  # LoRA adapters (engine/models/lora.py), added to the output
 
     def load_blocks(self, blocks: BlockWeight) -> None:
         """Keep GGUF blocks for small batches, and their exact dense values for the rest."""
@@ -63,6 +65,10 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_forward(x)
+        return y if self.lora is None else self.lora.add_to(x, y)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bnb is not None:
             return self.bnb(x)
         if self.blocks is not None and not torch.compiler.is_compiling() and x.shape[0] <= self.block_rows:
@@ -81,7 +87,8 @@ class Linear(nn.Module):
         if self.bnb is not None:
             return bnb_resident_bytes(self.bnb)
         tensors = [self.packed if self.packed is not None else self.weight] + ([self.bias] if self.bias is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors) + (self.blocks.nbytes if self.blocks is not None else 0)
+        return (sum(t.numel() * t.element_size() for t in tensors) + (self.blocks.nbytes if self.blocks is not None else 0)
+                + (self.lora.nbytes if self.lora is not None else 0))
 
 
 class MergedLinear(Linear):

@@ -21,6 +21,7 @@ from engine.layers.rotary import RotaryEmbedding, StepRope
 from engine.models.crossover_cache import kept_crossover_rows
 
 if TYPE_CHECKING:
+    from engine.layers.lora import LoRAStep
     from engine.models.compiled import CompiledForward
 
 # checkpoint name part -> (our merged module, shard)
@@ -89,6 +90,7 @@ class LlamaModel(nn.Module):
         self.fused = None
         self.native_weights: list[torch.Tensor] | None = None  # on GGUF blocks; set by `use_native_decode`
         self.native_dense_weights: list[torch.Tensor] | None = None  # on oneDNN-packed weights
+        self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's attach_lora
         attention = self.layers[0].self_attn
         self.shape = (attention.heads, attention.kv_heads, attention.head_dim, cfg.rms_norm_eps, attention.scaling)
 
@@ -111,6 +113,11 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(rope, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
 
+    @property
+    def lora_active(self) -> bool:
+        """Whether this step's rows run LoRA adapters, which only the layer-by-layer forward applies."""
+        return self.lora_step is not None and self.lora_step.active
+
     def use_native_decode(self, enabled: bool) -> bool:
         """Run all layers of a decode step as one C++ call (`engine/csrc/decoder_cpu.cpp`): the same kernels in the
         same order as the layers below, without about ten Python calls a layer. Possible on CPU with the fused ops,
@@ -126,7 +133,7 @@ class LlamaModel(nn.Module):
         """The weights for one native call over all layers, or None (layer by layer): decodes only, with the C++
         attention and KV write; on the blocks up to their crossover, as the layers read them, past it dense."""
         decode = meta.decode
-        if (meta.prefills or decode is None or decode.kernel is None or meta.write_kv is None
+        if (meta.prefills or decode is None or decode.kernel is None or meta.write_kv is None or self.lora_active
                 or meta.kv_layers[0][0].dtype != self.embed_tokens.weight.dtype):
             return None
         if self.native_weights is not None and num_tokens <= self.layers[0].mlp.down_proj.block_rows:
@@ -144,10 +151,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_position)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.compiled: CompiledForward | None = None  # set by `compile`
+        self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's attach_lora
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         """Flat [T] token ids and positions -> logits [len(logits_indices), vocab]."""
-        if self.compiled is not None and self.model.native_decode_weights(input_ids.shape[0], meta) is None:
+        if (self.compiled is not None and not self.model.lora_active
+                and self.model.native_decode_weights(input_ids.shape[0], meta) is None):
             return self.compiled(input_ids, positions, meta, logits_indices)
         return self.lm_head(self.model(input_ids, positions, meta), logits_indices)
 

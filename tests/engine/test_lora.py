@@ -1,0 +1,163 @@
+"""LoRA adapters (EngineConfig.lora_modules) on the random tiny models: adapters made and applied by Hugging Face's
+PEFT are the reference, in fp32, at every generated position, with requests of two adapters and of the base model in
+the same batches. An adapter's prompt blocks never serve another adapter or the base model."""
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, LoRAModule
+from engine.cpu_kernels import have_compiler
+from engine.errors import EngineInputError
+from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
+from tests.engine.test_synthetic_models import varied_prompts
+from tests.fixtures.tiny_models import TINY, synthetic_tokenizer, tiny_checkpoint
+
+NEW_TOKENS = 16
+# name -> PEFT LoraConfig settings: every projection at rank 8, and attention's q and v only at rank 4 with rsLoRA's
+# scale (alpha / sqrt(r)), as adapters commonly come
+ADAPTERS = {
+    "all-linears": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"]),
+    "attention-qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
+}
+
+
+def make_adapter(base_path: str, directory, seed: int, **settings) -> str:
+    """A PEFT adapter with random A and B (PEFT starts B at zero, which would change nothing), saved as PEFT saves."""
+    from peft import LoraConfig, get_peft_model  # here: a GPU machine collects this module without peft
+
+    torch.manual_seed(seed)
+    base = load_hf_model(base_path)
+    peft_model = get_peft_model(base, LoraConfig(lora_dropout=0.0, init_lora_weights=False, **settings))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    peft_model.save_pretrained(directory)
+    return str(directory)
+
+
+def peft_reference(base_path: str, adapter_path: str):
+    """transformers' model with PEFT's adapter applied by PEFT itself, fp32."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf_model(base_path), adapter_path).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return synthetic_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """model name -> (checkpoint, {adapter name: adapter path}, {None or adapter name: HF reference})."""
+    root = tmp_path_factory.mktemp("lora")
+    result = {}
+    for model in TINY:
+        path = tiny_checkpoint(root, model)
+        adapters = {name: make_adapter(path, root / f"{model}-{name}", seed, **settings)
+                    for seed, (name, settings) in enumerate(ADAPTERS.items())}
+        references = {None: load_hf_model(path)} | {name: peft_reference(path, a) for name, a in adapters.items()}
+        result[model] = (path, adapters, references)
+    return result
+
+
+def lora_llm(path: str, adapters: dict[str, str], **settings) -> LLM:
+    modules = tuple(LoRAModule(name=name, path=adapter) for name, adapter in adapters.items())
+    return LLM(model=path, dtype="float32", device="cpu", lora_modules=modules, **settings)
+
+
+BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not have_compiler(), reason="no C++ compiler"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(TINY))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("max_num_batched_tokens", [1024, 48])
+def test_each_adapter_matches_peft_beside_the_base_model_in_one_batch(served, tokenizer, model, backend,
+                                                                       max_num_batched_tokens):
+    """Prompts take the base model and the two adapters in turn, so every step mixes them (with 48 tokens a step,
+    prefill chunks of one adapter beside decodes of another); each output is PEFT's at every position."""
+    path, adapters, references = served[model]
+    llm = lora_llm(path, adapters, attention_backend=backend, num_kv_blocks=256,
+                   max_num_batched_tokens=max_num_batched_tokens)
+    prompts = varied_prompts(tokenizer)
+    names = [[None, *ADAPTERS][i % 3] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_name=names)
+    assert_varied(outputs)
+    for i, (prompt, name, out) in enumerate(zip(prompts, names, outputs)):
+        assert_matches_hf(references[name], prompt, out, f"{model}/{backend} prompt {i} on {name}")
+    base = llm.generate(prompts, params, use_tqdm=False)
+    changed = [a.token_ids != b.token_ids for a, b, name in zip(outputs, base, names) if name is not None]
+    assert sum(changed) >= len(changed) - 1, "the adapters hardly change the output: this test could not fail"
+    assert llm.engine.stats().kv_blocks_free == llm.engine.runner.num_blocks
+
+
+@pytest.mark.slow
+def test_an_adapters_prompt_blocks_serve_that_adapter_only(served, tokenizer):
+    """The same prompt through the base model, then an adapter, then the other adapter, then the first again: only
+    the last finds its prompt in the cache, and every output is still its own model's."""
+    path, adapters, references = served["llama-hd64"]
+    llm = lora_llm(path, adapters, num_kv_blocks=128)
+    prompt = varied_prompts(tokenizer)[-3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    order = [None, "all-linears", "attention-qv", "all-linears"]
+    outputs = [llm.generate([prompt], params, use_tqdm=False, lora_name=name)[0] for name in order]
+    assert [o.num_cached_tokens for o in outputs[:3]] == [0, 0, 0]
+    assert outputs[3].num_cached_tokens >= len(prompt) - 16
+    for name, out in zip(order, outputs):
+        assert_matches_hf(references[name], prompt, out, f"on {name}")
+
+
+@pytest.mark.slow
+def test_an_unknown_adapter_is_refused_naming_lora_name(served, tokenizer):
+    path, adapters, _ = served["llama-hd64"]
+    llm = lora_llm(path, adapters, num_kv_blocks=64)
+    with pytest.raises(EngineInputError, match="'nope' is not a LoRA adapter.*'all-linears', 'attention-qv'") as error:
+        llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False, lora_name="nope")
+    assert error.value.param == "lora_name"
+    plain = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64)
+    with pytest.raises(EngineInputError, match="it serves no adapter"):
+        plain.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False, lora_name="all-linears")
+
+
+def _rewritten(source: str, target, change) -> str:
+    """A copy of the adapter at `source` whose adapter_config.json `change` edits."""
+    import shutil
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "adapter_config.json").read_text())
+    change(config)
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.update(use_dora=True), "use_dora is set"),
+    (lambda c: c.update(modules_to_save=["lm_head"]), "modules_to_save is set"),
+    (lambda c: c.update(bias="all"), "bias is 'all'"),
+    (lambda c: c.update(r=128, lora_alpha=256), r"rank r=128 is outside \[1, max_lora_rank=64\]"),
+    (lambda c: c.update(peft_type="IA3"), "peft_type is IA3"),
+])
+def test_adapters_the_engine_cannot_apply_exactly_are_refused_at_start(served, tmp_path, change, message):
+    path, adapters, _ = served["llama-hd64"]
+    bad = _rewritten(adapters["attention-qv"], tmp_path / "bad", change)
+    with pytest.raises(ValueError, match=message):
+        lora_llm(path, {"bad": bad}, num_kv_blocks=64)
+
+
+@pytest.mark.slow
+def test_an_adapter_for_another_base_model_or_on_transformers_code_is_refused(served, tmp_path):
+    llama, adapters, _ = served["llama-hd64"]
+    qwen, _, _ = served["qwen2-hd128"]
+    with pytest.raises(ValueError, match="trained for another base model"):
+        lora_llm(qwen, {"wrong": adapters["all-linears"]}, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="lora_modules run on the native model only"):
+        lora_llm(llama, adapters, num_kv_blocks=64, model_impl="hf")
+    with pytest.raises(ValueError, match="each adapter needs a name of its own"):
+        EngineConfig(lora_modules=[LoRAModule(name="a", path="x"), LoRAModule(name="a", path="y")])
