@@ -56,6 +56,7 @@ class Ingress:
         self.replica = RemoteReplica(replica) if isinstance(replica, DeploymentHandle) else replica
         self.args = args
         self._model_info: dict | None = None
+        self.adapters = [module.name for module in args.engine_config.lora_modules]  # servable as `model`
         freeze_gc_heap()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -72,23 +73,34 @@ class Ingress:
         return {"status": "ok", "num_running": stats.engine.num_running, "num_waiting": stats.engine.num_waiting}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [await self.model(self.args.model_name)]}
+        """The base model, then each LoRA adapter with the base as its `parent` (vLLM's listing)."""
+        return {"object": "list", "data": [await self.model(name) for name in [self.args.model_name, *self.adapters]]}
 
     async def model(self, model_id: str) -> dict:
-        """OpenAI's model object for the one model served (`GET /v1/models/{model}`); 404 for any other id."""
-        self._check_model(model_id)
+        """OpenAI's model object for the model or an adapter served (`GET /v1/models/{model}`); 404 for any other id."""
+        adapter = self._lora_name(model_id)
         info = await self._info()
-        return {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "llm-serve",
+        card = {"id": model_id, "object": "model", "created": 0, "owned_by": "llm-serve",
                 "max_model_len": info["max_model_len"]}
+        return card | ({"parent": self.args.model_name} if adapter is not None else {})
 
-    def _check_model(self, model_id: str | None) -> None:
-        if model_id is not None and model_id != self.args.model_name:
-            raise OpenAIError(404, f"model '{model_id}' does not exist; this server serves '{self.args.model_name}'",
-                              "model", "model_not_found")
+    def _lora_name(self, model_id: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model; 404 for a name served by neither."""
+        if model_id is None or model_id == self.args.model_name:
+            return None
+        if model_id in self.adapters:
+            return model_id
+        adapters = f" and the LoRA adapters {', '.join(map(repr, self.adapters))}" if self.adapters else ""
+        raise OpenAIError(404, f"model '{model_id[:256]}' does not exist; this server serves "
+                               f"'{self.args.model_name}'{adapters}", "model", "model_not_found")
+
+    def _model_name(self, model_id: str | None) -> str:
+        """The `model` a response names: the adapter the request chose, else the base model."""
+        return self._lora_name(model_id) or self.args.model_name
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: the ids a completion or chat completion with this prompt would count."""
-        self._check_model(body.model)
+        self._lora_name(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
             options = body.chat_options()
@@ -103,7 +115,7 @@ class Ingress:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         """vLLM's /detokenize: the text of token ids."""
-        self._check_model(body.model)
+        self._lora_name(body.model)
         text = await self._call(self.replica.detokenize(body.tokens), self.args.request_timeout_s)
         self._raise_if_refused(text)
         return {"prompt": text}
@@ -132,20 +144,22 @@ class Ingress:
             messages = [m.for_template() for m in chat.messages]
             if body.stream:
                 chunks = await self.stream_chunks(chat, messages, True, request_id)
-                events = responses_api_output.event_stream(chunks, body, request_id, self.args.model_name, _stream_error)
+                events = responses_api_output.event_stream(chunks, body, request_id, self._model_name(body.model),
+                                                           _stream_error)
                 return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             whole = await self.whole_body(chat, messages, True, request_id)
         except OpenAIError as exc:
             raise responses_api.renamed(exc) from None
-        return CompletionResponse(responses_api_output.response_object(whole, body, request_id, self.args.model_name))
+        return CompletionResponse(responses_api_output.response_object(whole, body, request_id,
+                                                                       self._model_name(body.model)))
 
     def _jobs(self, body: SamplingFields, prompt, request_id: str) -> list[GenerationJob]:
-        self._check_model(body.model)
+        lora_name = self._lora_name(body.model)
         if body.n > self.args.max_n:
             raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
         prompts = body.prompts if isinstance(body, CompletionRequest) else [prompt]
         # a batch of prompts: one job each, its choices numbered after the prompts before it (k * n + i)
-        return [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args)
+        return [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args, lora_name)
                 for k, p in enumerate(prompts)]
 
     async def stream_chunks(self, body: SamplingFields, prompt, chat: bool, request_id: str):
@@ -162,7 +176,7 @@ class Ingress:
         stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
         return self._chunks(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
                             body.stream_options or StreamOptions(), self._shows_cached_tokens(body), n,
-                            started[0][1].prompt_token_ids if chat else None)
+                            started[0][1].prompt_token_ids if chat else None, self._model_name(body.model))
 
     async def whole_body(self, body: SamplingFields, prompt, chat: bool, request_id: str) -> dict:
         """Every prompt's choices, generated together; a replica lost for good mid-generation surfaces from _call:
@@ -180,8 +194,8 @@ class Ingress:
         tokens = sum(c.completion_tokens for c in choices)
         shown = sum(cached for _, cached in results) if self._shows_cached_tokens(body) else None
         prompt_tokens = sum(admitted.prompt_tokens for admitted, _ in results)
-        response = completion_body(request_id, self.args.model_name, choices, chat, usage(prompt_tokens, tokens, shown),
-                                   created)
+        response = completion_body(request_id, self._model_name(body.model), choices, chat,
+                                   usage(prompt_tokens, tokens, shown), created)
         if chat and body.return_token_ids:  # vLLM's place for a chat's prompt ids; completions' are per choice
             response["prompt_token_ids"] = results[0][0].prompt_token_ids
         if chat and body.prompt_logprobs is not None:  # vLLM's place for a chat's; completions' are per choice
@@ -293,9 +307,9 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
     async def _chunks(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
-                      prompt_tokens: int, options: StreamOptions, shows_cached_tokens: bool, n: int = 1,
-                      prompt_token_ids: list[int] | None = None):
-        model, tokens = self.args.model_name, [0] * len(choices)
+                      prompt_tokens: int, options: StreamOptions, shows_cached_tokens: bool, n: int,
+                      prompt_token_ids: list[int] | None, model: str):
+        tokens = [0] * len(choices)
         cached = [0] * (len(choices) // n)  # each prompt's cached tokens, as its first choice reports them
 
         def usage_so_far() -> dict:
@@ -409,7 +423,7 @@ async def _all(awaitables: list) -> list:
         raise
 
 
-def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> GenerationJob:
+def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name: str | None) -> GenerationJob:
     """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
     name the field."""
     tools = _offered_tools(body)
@@ -419,7 +433,8 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs) -> Genera
                              echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
                              stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
                              return_token_ids=body.return_token_ids,
-                             return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority)
+                             return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority,
+                             lora_name=lora_name)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 

@@ -41,6 +41,8 @@ class PrefixAffinityOptions(BaseModel):
 def affinity_key(job: GenerationJob) -> str:
     """The text the job's prompt blocks follow from, such that a conversation's next turn extends its last's key."""
     parts = [f"salt:{job.cache_salt}\x00"] if job.cache_salt is not None else []
+    if job.lora_name is not None:  # an adapter's prompt blocks serve that adapter only
+        parts.append(f"lora:{job.lora_name}\x00")
     if job.tools:
         parts.append(json.dumps(job.tools, sort_keys=True) + "\x00")
     if isinstance(job.prompt, str):

@@ -24,6 +24,7 @@ class GenerationJob:
     return_token_ids: bool = False  # the prompt's ids in Admitted, each delta's new ids in it (vLLM's field)
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>" (vLLM's field)
     priority: int = 0  # the engine's priority policy serves a lower value first; its fcfs policy refuses any other
+    lora_name: str | None = None  # the LoRA adapter the request named as its model; None: the base model
 
 
 @dataclass

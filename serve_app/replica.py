@@ -89,7 +89,8 @@ class EngineReplica:
                 leader = streams[0].request_id if streams else None
                 streams.append(self.frontend.add_request(engine_id, token_ids, _choice_params(job.params, index),
                                                        cache_salt=job.cache_salt, prompt_leader=leader,
-                                                       final_only=job.stream_interval is None, priority=job.priority))
+                                                       final_only=job.stream_interval is None, priority=job.priority,
+                                                       lora_name=job.lora_name))
             return streams, token_ids
         except Exception as exc:
             for stream in streams:

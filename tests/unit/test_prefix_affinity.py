@@ -21,13 +21,15 @@ def test_next_turn_key_extends_the_last_turns_key():
     assert affinity_key(job(turn2)).startswith(affinity_key(job(turn1)))
 
 
-def test_salt_and_tools_come_first_and_separate_keys():
+def test_salt_adapter_and_tools_come_first_and_separate_keys():
     plain = affinity_key(job("Hello there"))
     salted = affinity_key(job("Hello there", cache_salt="tenant-a"))
     other_salt = affinity_key(job("Hello there", cache_salt="tenant-b"))
     with_tools = affinity_key(job("Hello there", tools=[{"type": "function", "function": {"name": "f"}}]))
-    assert len({plain, salted, other_salt, with_tools}) == 4
-    assert all(key.endswith("Hello there") for key in (plain, salted, other_salt, with_tools))
+    adapted = affinity_key(job("Hello there", lora_name="pirate"))  # an adapter's blocks serve that adapter only
+    keys = (plain, salted, other_salt, with_tools, adapted)
+    assert len(set(keys)) == 5
+    assert all(key.endswith("Hello there") for key in keys)
 
 
 def test_token_id_prompts_count_one_character_a_token():
