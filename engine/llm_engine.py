@@ -347,7 +347,8 @@ class LLMEngine:
         reason = self.stops.append(seq, token, logprob)
         timing = seq.metrics
         if self.metrics is not None:
-            self.metrics.token(timing.arrival_time, timing.first_scheduled_time, timing.last_token_time, now)
+            self.metrics.token(timing.arrival_time, timing.first_scheduled_time, timing.last_token_time, now,
+                               seq.lora_name)
         timing.first_token_time = timing.first_token_time or now
         timing.last_token_time = now
         if reason is not None:

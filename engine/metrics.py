@@ -65,6 +65,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_gc_collections", "counter", "Garbage collections in the engine's process", ("generation",)),
     Metric("engine_gc_pause_seconds", "counter", "Time the garbage collector paused the process", ("generation",)),
     Metric("engine_resident_memory_bytes", "gauge", "Resident memory of the engine's process"),
+    Metric("engine_lora_requests", "counter", "Requests on a LoRA adapter, counted at their first token", ("lora_name",)),
+    Metric("engine_lora_generation_tokens", "counter", "Tokens generated on a LoRA adapter", ("lora_name",)),
 ]}
 # counter -> the EngineStats field that holds its running total
 COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_tokens": "generation_tokens",
@@ -157,6 +159,8 @@ class StepMetrics:
     queue_time: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    lora_requests: dict[str, int] = field(default_factory=dict)  # adapter -> requests that got their first token
+    lora_tokens: dict[str, int] = field(default_factory=dict)  # adapter -> tokens generated
     update_seconds: float = 0.0  # time spent flushing, to show it stays a small share of the step
     _counters: list[tuple[str, Reading, dict[str, str]]] = field(init=False)
     _reported: list[float] = field(init=False)  # each counter's total at its last flush
@@ -168,12 +172,17 @@ class StepMetrics:
     def start_from(self, stats: EngineStats) -> None:
         self._reported = [read(stats) for _, read, _ in self._counters]
 
-    def token(self, arrival: float, first_scheduled: float | None, previous_token: float | None, now: float) -> None:
+    def token(self, arrival: float, first_scheduled: float | None, previous_token: float | None, now: float,
+              lora_name: str | None = None) -> None:
         if previous_token is None:
             self.ttft.append(now - arrival)
             self.queue_time.append((first_scheduled or now) - arrival)
         else:
             self.itl.append(now - previous_token)
+        if lora_name is not None:
+            self.lora_tokens[lora_name] = self.lora_tokens.get(lora_name, 0) + 1
+            if previous_token is None:
+                self.lora_requests[lora_name] = self.lora_requests.get(lora_name, 0) + 1
 
     def finished(self, arrival: float, now: float, reason: str) -> None:
         self.e2e.append(now - arrival)
@@ -195,6 +204,9 @@ class StepMetrics:
                 self._reported[i] = total
         for reason, count in self.finish_reasons.items():
             sink.inc("engine_request_success", count, {**base, "finish_reason": reason})
+        for name, counts in (("engine_lora_requests", self.lora_requests), ("engine_lora_generation_tokens", self.lora_tokens)):
+            for adapter, count in counts.items():
+                sink.inc(name, count, {**base, "lora_name": adapter})
         for name, values in (("engine_time_to_first_token_seconds", self.ttft), ("engine_inter_token_latency_seconds", self.itl),
                              ("engine_request_queue_time_seconds", self.queue_time), ("engine_e2e_request_latency_seconds", self.e2e)):
             if values:
@@ -202,6 +214,7 @@ class StepMetrics:
         if step_tokens:
             sink.observe("engine_iteration_tokens", [step_tokens], base)
         self.ttft, self.itl, self.queue_time, self.e2e, self.finish_reasons = [], [], [], [], {}
+        self.lora_requests, self.lora_tokens = {}, {}
         self.update_seconds += time.perf_counter() - start
 
 

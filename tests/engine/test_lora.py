@@ -10,6 +10,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig, LoRAModule
 from engine.cpu_kernels import have_compiler
 from engine.errors import EngineInputError
+from engine.metrics import PrometheusSink, StepMetrics
 from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
 from tests.engine.test_synthetic_models import varied_prompts
 from tests.fixtures.tiny_models import TINY, synthetic_tokenizer, tiny_checkpoint
@@ -161,3 +162,23 @@ def test_an_adapter_for_another_base_model_or_on_transformers_code_is_refused(se
         lora_llm(llama, adapters, num_kv_blocks=64, model_impl="hf")
     with pytest.raises(ValueError, match="each adapter needs a name of its own"):
         EngineConfig(lora_modules=[LoRAModule(name="a", path="x"), LoRAModule(name="a", path="y")])
+
+
+@pytest.mark.slow
+def test_requests_and_tokens_are_counted_by_adapter(served, tokenizer):
+    path, adapters, _ = served["llama-hd64"]
+    llm = lora_llm(path, adapters, num_kv_blocks=128)
+    sink = PrometheusSink()
+    llm.engine.attach_metrics(StepMetrics(sink, "m"))
+    prompts = varied_prompts(tokenizer)[:4]
+    lengths = [5, 3, 4, 6]
+    llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths],
+                 use_tqdm=False, lora_name=["all-linears", None, "all-linears", "attention-qv"])
+
+    def count(metric: str, adapter: str) -> float | None:
+        return sink.registry.get_sample_value(metric, {"model_name": "m", "lora_name": adapter})
+
+    assert count("engine_lora_requests_total", "all-linears") == 2 and count("engine_lora_requests_total", "attention-qv") == 1
+    assert count("engine_lora_generation_tokens_total", "all-linears") == 5 + 4
+    assert count("engine_lora_generation_tokens_total", "attention-qv") == 6
+    assert sink.registry.get_sample_value("engine_generation_tokens_total", {"model_name": "m"}) == sum(lengths)

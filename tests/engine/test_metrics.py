@@ -31,6 +31,8 @@ CONTRACT = {
     "engine_kv_cache_blocks": "gauge",
     # added 2026-11-27 (issue 40: async scheduling), to be written into design.md section 5
     "engine_steps_launched_ahead_total": "counter",
+    # added 2026-11-29 (LoRA adapters), to be written into design.md section 5
+    "engine_lora_requests_total": "counter", "engine_lora_generation_tokens_total": "counter",
 }
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
@@ -97,6 +99,7 @@ def test_every_contract_metric_is_exported_with_model_name():
     metrics = StepMetrics(sink, "m")
     metrics.token(0.0, 0.1, None, 0.2)
     metrics.token(0.0, 0.1, 0.2, 0.3)
+    metrics.token(0.0, 0.1, None, 0.2, lora_name="adapter")
     metrics.finished(0.0, 0.3, "stop")
     stats = idle_stats(num_running=1, num_waiting=2, kv_blocks_free=3, kv_blocks_total=4, prompt_tokens=5,
                        generation_tokens=2, prefix_cache_queries=5, prefix_cache_hits=1, num_preemptions=1, num_steps=2,
