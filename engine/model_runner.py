@@ -171,13 +171,19 @@ class ModelRunner:
         if self.lora_step is None:
             return
         rows_of: dict[int, list[int]] = {}
-        start = 0
+        adapter_of_row = array("q")  # 1 + the adapter's index; 0: the base model
         for seq, count in zip(seqs, num_rows):
-            if seq.lora_name is not None:
-                rows_of.setdefault(self.lora_step.index[seq.lora_name], []).extend(range(start, start + count))
-            start += count
-        self.lora_step.groups = [(index, None if len(rows) == start else self._tensor(rows))
-                                 for index, rows in rows_of.items()]
+            index = -1 if seq.lora_name is None else self.lora_step.index[seq.lora_name]
+            if index >= 0:
+                rows_of.setdefault(index, []).extend(range(len(adapter_of_row), len(adapter_of_row) + count))
+            adapter_of_row.extend([index + 1] * count)
+        everyone = len(rows_of) == 1 and len(next(iter(rows_of.values()))) == len(adapter_of_row)
+        groups = [(index, None if everyone else self._tensor(rows)) for index, rows in rows_of.items()]
+        row_adapters = None
+        if rows_of and not everyone:
+            one_hot = torch.nn.functional.one_hot(self._tensor(adapter_of_row), len(self.lora_step.index) + 1)
+            row_adapters = one_hot[:, 1:].to(self.dtype)
+        self.lora_step.set_rows(groups, row_adapters)
 
     def _replays(self, meta: AttentionMetadata, logits_indices: torch.Tensor) -> bool:
         """Whether a captured graph runs this step: decodes only, each sampling one row, within the graphs' batch, no

@@ -1,43 +1,90 @@
 """LoRA on the engine's linears: y = base(x) + (x A^T)(scale B)^T for the rows of each adapter in a step, so requests
-of several adapters and of the base model share one batch, as vLLM's punica kernels allow. Here each adapter present
-in a step costs a gather, two thin matmuls and a scatter-add per linear; a step of one adapter only, two matmuls."""
+of several adapters and of the base model share one batch, as vLLM's punica kernels allow.
+
+A linear keeps every adapter's pair stacked, each padded to the linear's widest adapter: `down` [in, adapters x
+width], `up` [adapters x width, out]. A step whose rows all run one adapter multiplies by that adapter's slices (two
+ops). A step that mixes adapters (or adapters and the base model) multiplies by all of them and masks each row's
+intermediate to its own adapter's columns: three ops whatever the mix, where a gather, two matmuls and a
+scatter-add per adapter cost 1.6x the step at four adapters (BENCHMARKS.md). The extra multiply-adds are what the
+other adapters' columns cost; past `in_features` columns in all (many adapters) the linear takes the per-adapter
+path instead.
+
+On CPU a bf16 matmul this thin costs ~20 us whatever its rows, fp32 3 us for one row, so in bf16 a step of up to
+FP32_ROWS rows computes the adapters from fp32 copies (crossover measured at 32-48 rows on a 2-core AMX Xeon, rank 16
+against SmolLM2's 576 x 960 projection)."""
 from __future__ import annotations
 
 import torch
 
+FP32_ROWS = 32
+
 
 class LoRAStep:
     """Which rows of the step's flat batch run which adapter: set by the model runner before each forward, read by
-    every linear that has adapters. Rows of the base model are in no group."""
+    every linear that has adapters. Rows of the base model run none."""
 
     def __init__(self, names: list[str]):
         self.index = {name: i for i, name in enumerate(names)}  # adapter name -> its index in every LinearLoRA
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (adapter index, row indices; None: every row)
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (adapter index, its rows; None: every row)
+        self.row_adapters: torch.Tensor | None = None  # mixed steps: one-hot [rows, adapters]
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def set_rows(self, groups: list[tuple[int, torch.Tensor | None]], row_adapters: torch.Tensor | None) -> None:
+        self.groups, self.row_adapters, self._masks = groups, row_adapters, {}
 
     @property
     def active(self) -> bool:
         return bool(self.groups)
 
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, adapters x width]: 1 where a column belongs to the row's adapter; one per width, dtype and step."""
+        mask = self._masks.get((width, dtype))
+        if mask is None:
+            mask = self._masks[width, dtype] = self.row_adapters.to(dtype).repeat_interleave(width, dim=1)
+        return mask
+
 
 class LinearLoRA:
-    """One linear's adapters, by index: `down` [in, rank] (A^T) and `up` [rank, out] (scale B^T)."""
+    """One linear's adapters, stacked: adapter i's A^T is down[:, i*width:(i+1)*width], its scale * B^T the same rows
+    of up; an adapter that leaves this linear alone has zeros there."""
 
-    def __init__(self, step: LoRAStep):
+    def __init__(self, step: LoRAStep, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]], num_adapters: int,
+                 in_features: int, out_features: int, like: torch.Tensor):
         self.step = step
-        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.width = max(down.shape[1] for down, _ in pairs.values())
+        self.down = like.new_zeros(in_features, num_adapters * self.width)
+        self.up = like.new_zeros(num_adapters * self.width, out_features)
+        for index, (down, up) in pairs.items():
+            start = index * self.width
+            self.down[:, start : start + down.shape[1]] = down
+            self.up[start : start + up.shape[0]] = up
+        self.adapters = set(pairs)
+        self.stacked = num_adapters * self.width <= in_features  # else mixed steps go adapter by adapter
+        thin_rows_in_fp32 = like.device.type == "cpu" and like.dtype != torch.float32
+        self.fp32 = (self.down.float(), self.up.float()) if thin_rows_in_fp32 else None
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for index, rows in self.step.groups:
-            pair = self.adapters.get(index)
-            if pair is None:  # this adapter leaves this linear alone
+        if not self.step.groups:
+            return y
+        if self.fp32 is not None and x.shape[0] <= FP32_ROWS:
+            return self._add(x.float(), y, *self.fp32)
+        return self._add(x, y, self.down, self.up)
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        step = self.step
+        if step.row_adapters is not None and self.stacked:
+            return y.add_(((x @ down) * step.mask(self.width, x.dtype)) @ up)
+        for index, rows in step.groups:
+            if index not in self.adapters:
                 continue
-            down, up = pair
+            start = index * self.width
+            down_i, up_i = down[:, start : start + self.width], up[start : start + self.width]
             if rows is None:
-                y.addmm_(x @ down, up)
+                y.add_((x @ down_i) @ up_i)
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ down) @ up)
+                y.index_add_(0, rows, ((x.index_select(0, rows) @ down_i) @ up_i).to(y.dtype))
         return y
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.adapters.values() for t in pair)
+        return sum(t.numel() * t.element_size() for t in (self.down, self.up, *(self.fp32 or ())))

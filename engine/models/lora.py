@@ -73,14 +73,16 @@ def attach_lora(model, adapters: list[LoRAAdapter]) -> LoRAStep:
     """Give every linear an adapter touches its LinearLoRA; the model's forward applies them to the rows the returned
     LoRAStep names."""
     step = LoRAStep([adapter.name for adapter in adapters])
-    weight = model.model.embed_tokens.weight
+    pairs: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # linear path -> adapter index -> (down, up)
     for index, adapter in enumerate(adapters):
         for path, shards in _by_linear(adapter).items():
             linear = _linear(model, path, adapter.name)
-            down, up = _merged_pair(linear, shards) if isinstance(linear, MergedLinear) else _own_pair(linear, shards[0])
-            if linear.lora is None:
-                linear.lora = LinearLoRA(step)
-            linear.lora.adapters[index] = (down.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype))
+            pair = _merged_pair(linear, shards) if isinstance(linear, MergedLinear) else _own_pair(linear, shards[0])
+            pairs.setdefault(path, {})[index] = pair
+    weight = model.model.embed_tokens.weight
+    for path, by_adapter in pairs.items():
+        linear = model.get_submodule(path)
+        linear.lora = LinearLoRA(step, by_adapter, len(adapters), linear.in_features, linear.out_features, weight)
     model.lora_step = model.model.lora_step = step
     return step
 

@@ -78,13 +78,19 @@ BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not have_compi
 @pytest.mark.parametrize("model", list(TINY))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("max_num_batched_tokens", [1024, 48])
+@pytest.mark.parametrize("mixed_steps", ["stacked", "by-adapter"])
 def test_each_adapter_matches_peft_beside_the_base_model_in_one_batch(served, tokenizer, model, backend,
-                                                                       max_num_batched_tokens):
+                                                                       max_num_batched_tokens, mixed_steps):
     """Prompts take the base model and the two adapters in turn, so every step mixes them (with 48 tokens a step,
-    prefill chunks of one adapter beside decodes of another); each output is PEFT's at every position."""
+    prefill chunks of one adapter beside decodes of another); each output is PEFT's at every position. Mixed steps
+    run every adapter masked per row, or (as where adapters are many) adapter by adapter over their rows."""
     path, adapters, references = served[model]
     llm = lora_llm(path, adapters, attention_backend=backend, num_kv_blocks=256,
                    max_num_batched_tokens=max_num_batched_tokens)
+    linears = [m.lora for m in llm.engine.model.modules() if getattr(m, "lora", None) is not None]
+    assert linears and all(lora.stacked for lora in linears)  # two thin adapters: stacked everywhere
+    for lora in linears:
+        lora.stacked = mixed_steps == "stacked"
     prompts = varied_prompts(tokenizer)
     names = [[None, *ADAPTERS][i % 3] for i in range(len(prompts))]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
