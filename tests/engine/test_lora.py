@@ -188,3 +188,53 @@ def test_requests_and_tokens_are_counted_by_adapter(served, tokenizer):
     assert count("engine_lora_generation_tokens_total", "all-linears") == 5 + 4
     assert count("engine_lora_generation_tokens_total", "attention-qv") == 6
     assert sink.registry.get_sample_value("engine_generation_tokens_total", {"model_name": "m"}) == sum(lengths)
+
+
+@pytest.mark.slow
+def test_an_adapter_on_nf4_weights_matches_peft_on_transformers_nf4_model(served, tokenizer):
+    """QLoRA's serving case: the base in NF4 (bitsandbytes), the adapter dense. The reference is transformers' own
+    NF4 model with PEFT's adapter; NF4 prompts drift by up to 0.05 in logprob on this random model whatever the
+    adapter (test_synthetic_models.py), so a token may differ from the reference's argmax only within 0.1 of it."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed on this machine")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.loader import quantization_config
+
+    path, adapters, _ = served["qwen2-hd128"]
+    hf_nf4 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu",
+                                                  quantization_config=quantization_config("nf4", torch.float32))
+    reference = PeftModel.from_pretrained(hf_nf4, adapters["all-linears"]).eval()
+    llm = lora_llm(path, adapters, quantization="nf4", num_kv_blocks=256)
+    prompts = varied_prompts(tokenizer)[:6]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_name="all-linears")
+    base = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(a.token_ids != b.token_ids for a, b in zip(outputs, base)) >= len(prompts) - 1
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert_matches_hf(reference, prompt, out, f"nf4 + adapter, prompt {i}", near_tie=0.1)
+
+
+@pytest.mark.slow
+def test_an_adapter_on_the_embedded_models_gguf_blocks_matches_peft(tmp_path):
+    """`make serve`'s weights (the GGUF's Q4_1 blocks for small batches, dense copies past them) with an adapter,
+    against PEFT on the dequantized checkpoint in fp32 (the same weights, value for value)."""
+    from transformers import AutoTokenizer
+
+    from engine.config import DEFAULT_MODEL
+    from engine.models import resolve_model_path
+    from tests.engine.test_gguf_generation import BLOCKS_LOGPROB_TOLERANCE
+    from tests.engine.test_parity import varied_prompts as smollm_prompts
+
+    checkpoint = str(resolve_model_path(DEFAULT_MODEL))
+    adapter = make_adapter(checkpoint, tmp_path / "adapter", 0, r=8, lora_alpha=16,
+                           target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+    llm = lora_llm(DEFAULT_MODEL, {"smol": adapter}, quantization="gguf", num_kv_blocks=256)
+    prompts = smollm_prompts(AutoTokenizer.from_pretrained(checkpoint))[:8]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_name="smol")
+    base = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(a.token_ids != b.token_ids for a, b in zip(outputs, base)) >= len(prompts) - 1
+    reference = peft_reference(checkpoint, adapter)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert_matches_hf(reference, prompt, out, f"gguf + adapter, prompt {i}", BLOCKS_LOGPROB_TOLERANCE)
