@@ -57,7 +57,8 @@ bench: model
 # and opentelemetry-proto needs this one. benchmarks/gpu_wheels.py drops what never loads there (Ray's Java jar, the
 # CUDA 11/12 and ROCm builds of bitsandbytes) and fails if the tree and the wheels reach 64 MiB (make test checks the
 # tree against what the wheels need, without downloading them).
-GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection msgspec pyzmq llguidance bitsandbytes
+GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection msgspec pyzmq llguidance bitsandbytes \
+	peft accelerate psutil
 GPU_SERVE_WHEELS := ray fastapi starlette uvicorn httptools jsonschema jsonschema-specifications referencing rpds-py \
 	protobuf grpcio-reflection aiohttp-cors opencensus opencensus-context google-api-core googleapis-common-protos \
 	google-auth proto-plus pyasn1 pyasn1-modules opentelemetry-api opentelemetry-sdk opentelemetry-proto \

@@ -1,7 +1,9 @@
 """LoRA serving throughput: the engine with PEFT adapters (EngineConfig.lora_modules) against vLLM's CPU build with
 the same adapters (`enable_lora`), in one run, on the same prompts: every request on the base model, every request
 on one adapter, requests spread over several adapters; at a full batch and for one stream. Each side is also
-compared with its own base-model figure, which is what an adapter costs.
+compared with its own base-model figure, which is what an adapter costs, and runs the base-model requests once more
+with LoRA off (an engine without adapters; vLLM without `enable_lora`), which is what turning LoRA on costs requests
+that use none.
 
 python benchmarks/lora.py --vllm-python .venv-peers/bin/python --sizes 64,1 --runs 3
 """
@@ -27,6 +29,7 @@ from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL, EngineConfig, LoRAModule
 from engine.models import resolve_model_path
 from vllm_script import run_vllm_script
+OFF = ", base, LoRA off"
 from workload import chat_workload
 
 cli = typer.Typer(add_completion=False)
@@ -114,11 +117,23 @@ def main(
                     ours[name].append(run_ours(llm, case, names))
                     bar.update(1)
         del llm
+        bases = {name.removesuffix(", base") + OFF: case for name, case in cases.items() if name.endswith(", base")}
+        plain = LLM(config=EngineConfig(dtype=dtype, num_threads=threads, num_kv_blocks=4096, max_num_seqs=128,
+                                        max_num_batched_tokens=2048))
+        for name, case in bases.items():
+            run_ours(plain, {k: v[:2] for k, v in case.items()}, [])
+            ours[name] = [run_ours(plain, case, []) for _ in range(runs)]
+        del plain
         peer = None
         if vllm_python is not None:
             console.print(f"[bold]vLLM CPU[/bold] ({runs} runs a scenario, {threads} threads)")
             peer = run_vllm_script(vllm_python, "vllm_lora_peer.py", model_dir,
                                    {"adapters": paths, "rank": rank, "scenarios": cases}, [str(runs), dtype], threads)
+            for name, case in bases.items():  # vLLM without enable_lora, as bench.py runs it
+                workload = [{"prompt_token_ids": ids, "max_tokens": n, "temperature": 0.0}
+                            for ids, n in zip(case["prompts"], case["max_tokens"])]
+                peer[name] = run_vllm_script(vllm_python, "vllm_peer.py", model_dir, workload, [str(runs), dtype], threads)
+        cases |= bases
     report(cases, ours, peer, dict(dtype=dtype, threads=threads, runs=runs, rank=rank, adapters=adapters,
                                    output_tokens=f"{min_tokens}-{max_tokens}", cpu_flags=cpu_flags()), out_dir)
 
@@ -129,7 +144,8 @@ def report(cases: dict, ours: dict[str, list[dict]], peer: dict | None, settings
         table.add_column(column, justify="right")
     rows = {}
     for name in cases:
-        base = name.split(",")[0] + ", base"
+        size = name.split(",")[0]  # base requests against LoRA off; adapters' against base requests with LoRA on
+        base = size + (OFF if name.endswith((", base", OFF)) else ", base")
         ours_rate, ours_base = rate(ours[name]), rate(ours[base])
         row = {"engine_tokens_per_s": ours_rate, "engine_vs_base": ours_rate / ours_base,
                "engine_runs": [r["output_tokens"] / r["seconds"] for r in ours[name]]}

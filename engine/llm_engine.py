@@ -391,6 +391,7 @@ class LLMEngine:
             "cuda_graphs": self.runner.graphs.buckets if self.runner.graphs is not None and self.runner.graphs.graphs else None,
             "async_scheduling": self.async_scheduling,
             "device": self.device.type,
+            "lora_adapters": ",".join(self.runner.lora_step.index) if self.runner.lora_step is not None else "",
         }
 
     def stats(self) -> EngineStats:

@@ -55,6 +55,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """model name -> (checkpoint, {adapter name: adapter path}, {None or adapter name: HF reference})."""
+    pytest.importorskip("peft", reason="peft is not installed (a GPU machine has it where `make gpu-wheels` shipped it)")
     root = tmp_path_factory.mktemp("lora")
     result = {}
     for model in TINY:
@@ -66,26 +67,28 @@ def served(tmp_path_factory):
     return result
 
 
-def lora_llm(path: str, adapters: dict[str, str], **settings) -> LLM:
+def lora_llm(path: str, adapters: dict[str, str], device: str = "cpu", **settings) -> LLM:
     modules = tuple(LoRAModule(name=name, path=adapter) for name, adapter in adapters.items())
-    return LLM(model=path, dtype="float32", device="cpu", lora_modules=modules, **settings)
+    return LLM(model=path, dtype="float32", device=device, lora_modules=modules, **settings)
 
 
-BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not have_compiler(), reason="no C++ compiler"))]
+# (device, attention backend); on CUDA (marker gpu, deselected where there is none) base rows replay CUDA graphs
+BACKENDS = [("cpu", "torch"), pytest.param("cpu", "cpp", marks=pytest.mark.skipif(not have_compiler(), reason="no C++ compiler")),
+            pytest.param("cuda", "triton", marks=pytest.mark.gpu), pytest.param("cuda", "torch", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(TINY))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", BACKENDS)
 @pytest.mark.parametrize("max_num_batched_tokens", [1024, 48])
 @pytest.mark.parametrize("mixed_steps", ["stacked", "by-adapter"])
-def test_each_adapter_matches_peft_beside_the_base_model_in_one_batch(served, tokenizer, model, backend,
+def test_each_adapter_matches_peft_beside_the_base_model_in_one_batch(served, tokenizer, model, device, backend,
                                                                        max_num_batched_tokens, mixed_steps):
     """Prompts take the base model and the two adapters in turn, so every step mixes them (with 48 tokens a step,
     prefill chunks of one adapter beside decodes of another); each output is PEFT's at every position. Mixed steps
     run every adapter masked per row, or (as where adapters are many) adapter by adapter over their rows."""
     path, adapters, references = served[model]
-    llm = lora_llm(path, adapters, attention_backend=backend, num_kv_blocks=256,
+    llm = lora_llm(path, adapters, device, attention_backend=backend, num_kv_blocks=256,
                    max_num_batched_tokens=max_num_batched_tokens)
     linears = [m.lora for m in llm.engine.model.modules() if getattr(m, "lora", None) is not None]
     assert linears and all(lora.stacked for lora in linears)  # two thin adapters: stacked everywhere
@@ -97,7 +100,7 @@ def test_each_adapter_matches_peft_beside_the_base_model_in_one_batch(served, to
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_name=names)
     assert_varied(outputs)
     for i, (prompt, name, out) in enumerate(zip(prompts, names, outputs)):
-        assert_matches_hf(references[name], prompt, out, f"{model}/{backend} prompt {i} on {name}")
+        assert_matches_hf(references[name], prompt, out, f"{model}/{device}/{backend} prompt {i} on {name}")
     base = llm.generate(prompts, params, use_tqdm=False)
     changed = [a.token_ids != b.token_ids for a, b, name in zip(outputs, base, names) if name is not None]
     assert sum(changed) >= len(changed) - 1, "the adapters hardly change the output: this test could not fail"
@@ -110,6 +113,7 @@ def test_an_adapters_prompt_blocks_serve_that_adapter_only(served, tokenizer):
     the last finds its prompt in the cache, and every output is still its own model's."""
     path, adapters, references = served["llama-hd64"]
     llm = lora_llm(path, adapters, num_kv_blocks=128)
+    assert llm.engine.settings()["lora_adapters"] == "all-linears,attention-qv"
     prompt = varied_prompts(tokenizer)[-3]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     order = [None, "all-linears", "attention-qv", "all-linears"]
