@@ -26,11 +26,11 @@ def hash_block(token_ids: tuple[int, ...], parent_hash: bytes) -> bytes:
     return digest.digest()
 
 
-def root_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+def root_hash(cache_salt: str | None, lora_key: str | None = None) -> bytes:
     """The parent of a sequence's first block: empty for the base model without a salt, else a digest no token block
     can produce. A LoRA adapter computes other K and V from the same tokens, so its chains start apart too."""
-    if lora_name is not None:
-        key = json.dumps([cache_salt, lora_name]).encode("utf-8")
+    if lora_key is not None:
+        key = json.dumps([cache_salt, lora_key]).encode("utf-8")
         return hashlib.blake2b(key, digest_size=DIGEST_BYTES, person=b"lora_root").digest()
     if cache_salt is None:
         return NO_HASH
@@ -76,12 +76,12 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None) -> list[int]:
+    def match_prefix(self, token_ids: list[int], cache_salt: str | None = None, lora_key: str | None = None) -> list[int]:
         """Block ids holding the longest cached run of full blocks; the last token is always left to compute."""
         if not self.enable_prefix_caching:
             return []
         matched: list[int] = []
-        parent = root_hash(cache_salt, lora_name)
+        parent = root_hash(cache_salt, lora_key)
         for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
             key = (parent, tuple(token_ids[start : start + self.block_size]))
             block_id = next(iter(self.hash_to_blocks.get(hash_block(key[1], parent), ())), None)
@@ -178,7 +178,7 @@ class BlockManager:
         block = self.blocks[seq.block_table[index]]
         if block.hash != NO_HASH:
             return  # reached through a cache hit: already published
-        parent = self.blocks[seq.block_table[index - 1]].hash if index > 0 else root_hash(seq.cache_salt, seq.lora_name)
+        parent = self.blocks[seq.block_table[index - 1]].hash if index > 0 else root_hash(seq.cache_salt, seq.lora_key)
         tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
         block.key = (parent, tokens)
         block.hash = hash_block(tokens, parent)

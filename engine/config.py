@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# a name under lora_root: one path component, no leading dot, so no request reaches outside the root
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class SpeculativeConfig(BaseModel):
@@ -105,6 +109,11 @@ class EngineConfig(BaseModel):
         "LoRA adapters loaded at start, each chosen per request by name; requests of different adapters and of the "
         "base model share a batch (native Llama-family models only)"))
     max_lora_rank: int = Field(default=64, ge=1, description="the largest adapter rank accepted (vLLM's flag)")
+    lora_root: str | None = Field(default=None, description=(
+        "a directory of PEFT adapters, one per subdirectory: a request naming one that lora_modules does not is served "
+        "by loading it on first use (Ray Serve LLM's dynamic LoRA loading, from a local or mounted path)"))
+    max_loras: int = Field(default=8, ge=1, description=(
+        "adapters from lora_root kept loaded; past it the least recently used one that no request runs is dropped"))
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -116,6 +125,21 @@ class EngineConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules: each adapter needs a name of its own, got {names}")
         return self
+
+    def lora_path(self, name: str) -> str | None:
+        """Where adapter `name` is read from: lora_modules' path, else its directory under lora_root if that holds
+        an adapter; None where this engine has no such adapter."""
+        for module in self.lora_modules:
+            if module.name == name:
+                return module.path
+        if self.lora_root is None or not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            return None
+        directory = Path(self.lora_root) / name
+        return str(directory) if (directory / "adapter_config.json").is_file() else None
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_modules) or self.lora_root is not None
 
     def resolved_num_threads(self) -> int:
         """Cores this process may run on (affinity and cpusets included, unlike os.cpu_count())."""

@@ -129,13 +129,13 @@ class InputProcessor:
         return dataclasses.replace(params, bad_words_token_ids=tuple(words))
 
     def check_lora_name(self, lora_name: str | None) -> None:
-        if lora_name is None:
+        if lora_name is None or self.config.lora_path(lora_name) is not None:
             return
-        names = [module.name for module in self.config.lora_modules]
-        if lora_name not in names:
-            served = f"its adapters are {', '.join(map(repr, names))}" if names else "it serves no adapter"
-            raise EngineInputError(f"lora_name {str(lora_name)[:256]!r} is not a LoRA adapter of this engine; {served}",
-                                   "lora_name")
+        served = [repr(module.name) for module in self.config.lora_modules]
+        served += ["those under its lora_root"] if self.config.lora_root is not None else []
+        said = f"its adapters are {' and '.join(served)}" if served else "it serves no adapter"
+        raise EngineInputError(f"lora_name {str(lora_name)[:256]!r} is not a LoRA adapter of this engine; {said}",
+                               "lora_name")
 
     def _check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:

@@ -24,6 +24,7 @@ from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, StepLogits, kv_geometry
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
+from engine.models.lora import LoRAManager
 from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = choose_attention_backend(config, self.device.type)  # refused before the weights load
         self.model = load_model(config, self.device, self.dtype)
+        self.loras = LoRAManager(self.model, config) if config.serves_lora else None  # before the runner reads them
         if self.attention_backend == "triton" and self.model.impl == "native":
             from engine.kernels.triton.fused_ops import TritonFusedOps  # imports triton: only where it runs
 
@@ -58,7 +60,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)  # the core's only use of it: the grammars' vocabulary and EOS ids
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.vocab_size
-        self.lora_names = {module.name for module in config.lora_modules}
         self.eos_token_ids = self._eos_token_ids()
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None
@@ -125,7 +126,7 @@ class LLMEngine:
         EngineOverloadedError past max_waiting. A request naming a `prompt_leader` (an earlier request with the same
         prompt, as the choices of n > 1 are) waits for it to compute the prompt and then shares its blocks."""
         params = request.params
-        if request.lora_name is not None and request.lora_name not in self.lora_names:
+        if request.lora_name is not None and self.config.lora_path(request.lora_name) is None:
             raise EngineInputError(f"lora_name {request.lora_name!r} is not a LoRA adapter of this engine", "lora_name")
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time, request.cache_salt,
@@ -200,11 +201,25 @@ class LLMEngine:
 
     def _drain_inbox(self) -> list[CoreOutput]:
         new, aborted = self.inbox.take()
+        outputs = []
         for seq in new:
             self.scheduler.add(seq)
+            if seq.lora_name is not None:
+                outputs += self._load_adapter(seq)
         for seq, reason in aborted:
             self.scheduler.finish(seq, reason)
-        return [core_output(seq) for seq, _ in aborted]
+        if self.loras is not None and len(self.loras.adapters) > self.config.max_loras + len(self.loras.static):
+            self.loras.drop_idle({s.lora_name for s in (*self.scheduler.waiting, *self.scheduler.running)})
+        return outputs + [core_output(seq) for seq, _ in aborted]
+
+    def _load_adapter(self, seq: Sequence) -> list[CoreOutput]:
+        """The sequence's adapter loaded (on the step's thread: it restacks the model's adapters), and its
+        prefix-cache key set; a failure to load fails this request only."""
+        try:
+            seq.lora_key = self.loras.ensure(seq.lora_name)
+            return []
+        except EngineInputError as exc:
+            return [self._fail(seq, str(exc), exc.param)]
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
         try:
@@ -391,7 +406,7 @@ class LLMEngine:
             "cuda_graphs": self.runner.graphs.buckets if self.runner.graphs is not None and self.runner.graphs.graphs else None,
             "async_scheduling": self.async_scheduling,
             "device": self.device.type,
-            "lora_adapters": ",".join(self.runner.lora_step.index) if self.runner.lora_step is not None else "",
+            "lora_adapters": ",".join(self.loras.adapters) if self.loras is not None else "",
         }
 
     def stats(self) -> EngineStats:

@@ -167,7 +167,7 @@ class Scheduler:
                 return
             # prompt logprobs need the logits of every prompt position: nothing may come from the cache
             matched = [] if seq.params.prompt_logprobs is not None else self.block_manager.match_prefix(
-                seq.token_ids, seq.cache_salt, seq.lora_name)
+                seq.token_ids, seq.cache_salt, seq.lora_key)
             num_cached = len(matched) * self.block_manager.block_size
             tail = self._leaders_tail_block(seq, len(matched))
             if tail is not None:

@@ -32,6 +32,7 @@ class Sequence:
                  lora_name: str | None = None):
         self.request_id = request_id
         self.lora_name = lora_name  # the LoRA adapter this request runs (None: the base model)
+        self.lora_key = lora_name  # the loaded adapter's identity, where its prefix-cache chains start (LoRAManager)
         self.priority = priority  # under the priority policy, a lower value is served first
         self.cache_salt = cache_salt  # keeps this request's prefix-cache blocks apart from other tenants'
         self.params = params

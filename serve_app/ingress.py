@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
 from engine.chat import DEFAULT_OPTIONS
+from engine.config import ADAPTER_NAME
 from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                       StreamOptions, TokenizeRequest)
@@ -73,8 +75,10 @@ class Ingress:
         return {"status": "ok", "num_running": stats.engine.num_running, "num_waiting": stats.engine.num_waiting}
 
     async def models(self) -> dict:
-        """The base model, then each LoRA adapter with the base as its `parent` (vLLM's listing)."""
-        return {"object": "list", "data": [await self.model(name) for name in [self.args.model_name, *self.adapters]]}
+        """The base model, then each LoRA adapter with the base as its `parent` (vLLM's listing): lora_modules', then
+        those under lora_root where this process can see it (as Ray Serve LLM lists its dynamic adapters)."""
+        names = [self.args.model_name, *self.adapters, *_adapters_under(self.args.engine_config.lora_root, self.adapters)]
+        return {"object": "list", "data": [await self.model(name) for name in names]}
 
     async def model(self, model_id: str) -> dict:
         """OpenAI's model object for the model or an adapter served (`GET /v1/models/{model}`); 404 for any other id."""
@@ -88,8 +92,8 @@ class Ingress:
         """The LoRA adapter a request's `model` names, None for the base model; 404 for a name served by neither."""
         if model_id is None or model_id == self.args.model_name:
             return None
-        if model_id in self.adapters:
-            return model_id
+        if model_id in self.adapters or (self.args.engine_config.lora_root is not None and ADAPTER_NAME.fullmatch(model_id)):
+            return model_id  # one under lora_root: whether it is there, the replica says (a 404 if not)
         adapters = f" and the LoRA adapters {', '.join(map(repr, self.adapters))}" if self.adapters else ""
         raise OpenAIError(404, f"model '{model_id[:256]}' does not exist; this server serves "
                                f"'{self.args.model_name}'{adapters}", "model", "model_not_found")
@@ -365,9 +369,10 @@ class Ingress:
 
 def _generation_failed(delta: Delta) -> OpenAIError:
     """A generation the engine ended with an error (its message is the engine's own, written for clients): the
-    request's own fault (a constraint it set failed it) is a 400 naming the field, any other a 500."""
+    request's own fault (a constraint it set failed it, its adapter could not load) is a 400 naming the field, any
+    other a 500."""
     if delta.error_param is not None:
-        return OpenAIError(400, delta.error, delta.error_param)
+        return OpenAIError(400, delta.error, "model" if delta.error_param == "lora_name" else delta.error_param)
     return OpenAIError(500, f"generation failed: {delta.error}")
 
 
@@ -410,6 +415,18 @@ async def _with_keep_alive(stream, interval_s: float, deadline: float):
     finally:
         if pending is not None:
             pending.cancel()
+
+
+def _adapters_under(root: str | None, listed: list[str], limit: int = 1000) -> list[str]:
+    """The adapters in lora_root's subdirectories not already listed, by name; none where this process cannot see it."""
+    if root is None:
+        return []
+    try:
+        names = sorted(entry.name for entry in os.scandir(root) if ADAPTER_NAME.fullmatch(entry.name)
+                       and os.path.isfile(os.path.join(entry.path, "adapter_config.json")))
+    except OSError:
+        return []
+    return [name for name in names if name not in listed][:limit]
 
 
 async def _all(awaitables: list) -> list:

@@ -256,6 +256,9 @@ def _token_logprob(texts: Callable[[int], tuple[str, list[int]]], token: int, en
 
 def _refusal(exc: Exception, job: GenerationJob) -> Refused:
     """An admission refused: statuses are the ingress's to send, this says which and why."""
+    if isinstance(exc, EngineInputError) and exc.param == "lora_name":  # the request named it as its model
+        return Refused(404, f"model {str(job.lora_name)[:256]!r} does not exist: no such LoRA adapter is served here",
+                       "model", "model_not_found")
     if isinstance(exc, EngineInputError):
         return Refused(400, str(exc), exc.param)
     if isinstance(exc, EngineOverloadedError):

@@ -13,7 +13,6 @@ from engine.config import EngineConfig
 from engine.cpu_kernels import fused_ops
 from engine.layers.rotary import STATIC_ROPE_TYPES, rope_type
 from engine.models.llama import LlamaForCausalLM
-from engine.models.lora import attach_lora, read_adapter
 from engine.models.gguf import read_tensors as gguf_tensors
 from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, cpu_has_bf16, embedded_checkpoint,
                                   embedded_gguf_path, gguf_path, is_gguf_file, load_hf_config, load_tokenizer,
@@ -54,8 +53,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
     if config.quantization == "gguf" and reason is not None:
         raise ValueError(f"quantization gguf runs on the native model only, which cannot run {config.model}: {reason}")
-    if config.lora_modules and reason is not None:
-        raise ValueError(f"lora_modules run on the native model only, which cannot run {config.model}: {reason}")
+    if config.serves_lora and reason is not None:
+        raise ValueError(f"LoRA adapters (lora_modules, lora_root) run on the native model only, which cannot run {config.model}: {reason}")
     if config.compile and reason is not None:
         raise ValueError(f"compile runs on the native model only, which cannot run {config.model}: {reason}")
     if reason is None:
@@ -84,8 +83,6 @@ def load_native(path: str, hf_config, config: EngineConfig, device: torch.device
     model.pack(cache_root())
     if device.type == "cpu":
         model.use_fused_ops(fused_ops())
-    if config.lora_modules:
-        attach_lora(model, [read_adapter(module, config.max_lora_rank) for module in config.lora_modules])
     if config.compile:
         model.compile(cache_root())
     return model.eval()

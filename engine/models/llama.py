@@ -90,7 +90,7 @@ class LlamaModel(nn.Module):
         self.fused = None
         self.native_weights: list[torch.Tensor] | None = None  # on GGUF blocks; set by `use_native_decode`
         self.native_dense_weights: list[torch.Tensor] | None = None  # on oneDNN-packed weights
-        self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's attach_lora
+        self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's LoRAManager
         attention = self.layers[0].self_attn
         self.shape = (attention.heads, attention.kv_heads, attention.head_dim, cfg.rms_norm_eps, attention.scaling)
 
@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_position)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.compiled: CompiledForward | None = None  # set by `compile`
-        self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's attach_lora
+        self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's LoRAManager
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         """Flat [T] token ids and positions -> logits [len(logits_indices), vocab]."""

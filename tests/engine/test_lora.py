@@ -128,7 +128,7 @@ def test_an_adapters_prompt_blocks_serve_that_adapter_only(served, tokenizer):
 def test_an_unknown_adapter_is_refused_naming_lora_name(served, tokenizer):
     path, adapters, _ = served["llama-hd64"]
     llm = lora_llm(path, adapters, num_kv_blocks=64)
-    with pytest.raises(EngineInputError, match="'nope' is not a LoRA adapter.*'all-linears', 'attention-qv'") as error:
+    with pytest.raises(EngineInputError, match="'nope' is not a LoRA adapter.*'all-linears' and 'attention-qv'") as error:
         llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False, lora_name="nope")
     assert error.value.param == "lora_name"
     plain = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64)
@@ -168,7 +168,7 @@ def test_an_adapter_for_another_base_model_or_on_transformers_code_is_refused(se
     qwen, _, _ = served["qwen2-hd128"]
     with pytest.raises(ValueError, match="trained for another base model"):
         lora_llm(qwen, {"wrong": adapters["all-linears"]}, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="lora_modules run on the native model only"):
+    with pytest.raises(ValueError, match=r"LoRA adapters \(lora_modules, lora_root\) run on the native model only"):
         lora_llm(llama, adapters, num_kv_blocks=64, model_impl="hf")
     with pytest.raises(ValueError, match="each adapter needs a name of its own"):
         EngineConfig(lora_modules=[LoRAModule(name="a", path="x"), LoRAModule(name="a", path="y")])
@@ -242,3 +242,95 @@ def test_an_adapter_on_the_embedded_models_gguf_blocks_matches_peft(tmp_path):
     reference = peft_reference(checkpoint, adapter)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         assert_matches_hf(reference, prompt, out, f"gguf + adapter, prompt {i}", BLOCKS_LOGPROB_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_speculative_drafts_and_async_steps_change_no_adapter_token(served, tokenizer, tmp_path):
+    """Draft rows verify on their sequence's adapter, and steps launched ahead (async scheduling) run each row's
+    adapter: greedy output is the same as plain steps', in fp32, with adapters and the base model mixed. The model
+    loops (small random weights), so drafts are accepted as well as rejected."""
+    from engine.config import SpeculativeConfig
+    from tests.engine.test_synthetic_models import repetitive_prompts
+
+    path = tiny_checkpoint(tmp_path, "qwen2-hd128", initializer_range=0.02)
+    adapters = {"looped": make_adapter(path, tmp_path / "looped", 3, r=4, lora_alpha=4, target_modules=["o_proj", "up_proj"])}
+    prompts = repetitive_prompts(tokenizer)
+    names = [["looped", None][i % 2] for i in range(len(prompts))]
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    reference = lora_llm(path, adapters, num_kv_blocks=128).generate(prompts, greedy, use_tqdm=False, lora_name=names)
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=16, weigh_cost=False, prompt_lookup_min=1)
+    drafting = lora_llm(path, adapters, num_kv_blocks=128, speculative=spec)
+    ahead = lora_llm(path, adapters, num_kv_blocks=128, async_scheduling=True)
+    for llm in (drafting, ahead):
+        outputs = llm.generate(prompts, greedy, use_tqdm=False, lora_name=names)
+        assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert drafting.engine.stats().spec_accepted_tokens > 0, drafting.engine.stats()
+    assert ahead.engine.stats().num_steps_ahead > 0, ahead.engine.stats()
+    base = lora_llm(path, adapters, num_kv_blocks=128).generate(prompts, greedy, use_tqdm=False)
+    assert any(r.token_ids != b.token_ids for r, b, name in zip(reference, base, names) if name), "the adapter changes nothing"
+
+
+def _copy_adapters(adapters: dict[str, str], root) -> str:
+    import shutil
+
+    root.mkdir()
+    for name, adapter in adapters.items():
+        shutil.copytree(adapter, root / name)
+    return str(root)
+
+
+@pytest.mark.slow
+def test_adapters_under_lora_root_load_on_first_use_and_idle_ones_go_past_max_loras(served, tokenizer, tmp_path):
+    """Ray Serve LLM's dynamic loading from a path: nothing is loaded at start; each adapter loads when a request
+    first names it (two at once although max_loras is 1: both run); once idle, the least recently used goes, and a
+    later request loads it again. Every output is PEFT's."""
+    path, adapters, references = served["llama-hd64"]
+    root = _copy_adapters(adapters, tmp_path / "adapters")
+    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, max_loras=1, num_kv_blocks=256)
+    assert llm.engine.settings()["lora_adapters"] == ""
+    prompts = varied_prompts(tokenizer)[:6]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def check(names: list[str | None]) -> None:
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_name=names)
+        for i, (prompt, name, out) in enumerate(zip(prompts, names, outputs)):
+            assert out.error is None, out.error
+            assert_matches_hf(references[name], prompt, out, f"prompt {i} on {name}")
+
+    check(["all-linears", "attention-qv", None] * 2)
+    assert set(llm.engine.settings()["lora_adapters"].split(",")) == {"all-linears", "attention-qv"}
+    check(["attention-qv"] * 6)
+    assert llm.engine.settings()["lora_adapters"] == "attention-qv"
+    check(["all-linears", None] * 3)
+    assert llm.engine.settings()["lora_adapters"] == "all-linears"
+    for name in ("nope", "../llama-hd64-all-linears", ".hidden"):
+        with pytest.raises(EngineInputError, match="not a LoRA adapter of this engine") as error:
+            llm.generate(["hello"], params, use_tqdm=False, lora_name=name)
+        assert error.value.param == "lora_name"
+
+
+@pytest.mark.slow
+def test_an_adapter_replaced_on_disk_finds_none_of_its_old_blocks_and_a_broken_one_fails_alone(served, tokenizer,
+                                                                                                tmp_path):
+    import shutil
+
+    path, adapters, references = served["llama-hd64"]
+    root = _copy_adapters(adapters, tmp_path / "adapters")
+    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, max_loras=1, num_kv_blocks=256)
+    prompt = varied_prompts(tokenizer)[-3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False, lora_name="attention-qv")[0]
+    assert llm.generate([prompt], params, use_tqdm=False, lora_name="attention-qv")[0].num_cached_tokens > 0
+    llm.generate(["x"], params, use_tqdm=False, lora_name="all-linears")  # attention-qv, idle, goes
+    shutil.rmtree(tmp_path / "adapters" / "attention-qv")
+    shutil.copytree(adapters["all-linears"], tmp_path / "adapters" / "attention-qv")
+    replaced = llm.generate([prompt], params, use_tqdm=False, lora_name="attention-qv")[0]
+    assert replaced.num_cached_tokens == 0 and replaced.token_ids != first.token_ids
+    assert_matches_hf(references["all-linears"], prompt, replaced, "the replaced adapter")
+    broken = _rewritten(adapters["all-linears"], tmp_path / "adapters" / "broken", lambda c: c.update(use_dora=True))
+    assert broken
+    outputs = llm.generate([prompt, prompt], params, use_tqdm=False, lora_name=["broken", "all-linears"])
+    assert "could not be loaded" in outputs[0].error and "use_dora" in outputs[0].error
+    assert outputs[1].error is None
+    assert_matches_hf(references["all-linears"], prompt, outputs[1], "beside the broken adapter")
+    assert llm.engine.stats().kv_blocks_free == llm.engine.runner.num_blocks

@@ -14,6 +14,7 @@ from tests.serve.conftest import wait_idle, whole_app
 
 pytestmark = pytest.mark.slow
 ADAPTER = "terse-pirate"
+ON_DEMAND = "pirate-on-demand"  # the same adapter under lora_root: loaded when first named
 PROMPTS = ["The lighthouse keeper climbed the stairs and", "A short list of things to pack for a rainy hike:"]
 NEW_TOKENS = 12
 
@@ -59,13 +60,17 @@ def expected(adapter_dir) -> dict[str, list[str]]:
     base_texts = continuations(base)
     adapted = continuations(PeftModel.from_pretrained(base, adapter_dir).eval())
     assert adapted != base_texts, "the adapter changes nothing: the test could not fail"
-    return {DEFAULT_MODEL: base_texts, ADAPTER: adapted}
+    return {DEFAULT_MODEL: base_texts, ADAPTER: adapted, ON_DEMAND: adapted}
 
 
 @pytest.fixture(scope="module")
-def lora_app(serve_app, adapter_dir):
+def lora_app(serve_app, adapter_dir, tmp_path_factory):
+    import shutil
+
+    root = tmp_path_factory.mktemp("lora-root")
+    shutil.copytree(adapter_dir, root / ON_DEMAND)
     engine = {**serve_app["args"]["engine_config"], "num_kv_blocks": 256,
-              "lora_modules": [{"name": ADAPTER, "path": adapter_dir}]}
+              "lora_modules": [{"name": ADAPTER, "path": adapter_dir}], "lora_root": str(root)}
     with whole_app(serve_app, "lora", topology="colocated", engine_config=engine) as base:
         yield base
 
@@ -115,12 +120,14 @@ def test_a_streamed_chat_names_the_adapter_in_every_chunk(lora_app, auth):
 def test_models_lists_the_adapter_under_its_base_and_unknown_names_are_404(lora_app, auth):
     with httpx.Client(base_url=lora_app, headers=auth, timeout=30) as http:
         listed = http.get("/v1/models").json()["data"]
-        assert [m["id"] for m in listed] == [DEFAULT_MODEL, ADAPTER]
-        assert "parent" not in listed[0] and listed[1]["parent"] == DEFAULT_MODEL
+        assert [m["id"] for m in listed] == [DEFAULT_MODEL, ADAPTER, ON_DEMAND]  # lora_modules', then lora_root's
+        assert "parent" not in listed[0] and {m["parent"] for m in listed[1:]} == {DEFAULT_MODEL}
         assert http.get(f"/v1/models/{ADAPTER}").json()["parent"] == DEFAULT_MODEL
-        r = http.post("/v1/completions", json={"model": "other-adapter", "prompt": "hi", "max_tokens": 2})
-        error = r.json()["error"]
-        assert r.status_code == 404 and error["param"] == "model" and error["code"] == "model_not_found"
-        assert f"'{ADAPTER}'" in error["message"] and f"'{DEFAULT_MODEL}'" in error["message"]
+        # not an adapter's name (the ingress lists what is served); a name with nothing under lora_root (the replica)
+        for name, says in (("no such/name", f"'{ADAPTER}'"), ("other-adapter", "no such LoRA adapter")):
+            r = http.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2})
+            error = r.json()["error"]
+            assert r.status_code == 404 and error["param"] == "model" and error["code"] == "model_not_found", name
+            assert f"'{name}'" in error["message"] and says in error["message"], error
         tokens = http.post("/tokenize", json={"model": ADAPTER, "prompt": "hello there"})
         assert tokens.status_code == 200 and tokens.json()["count"] >= 2
