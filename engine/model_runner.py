@@ -181,7 +181,7 @@ class ModelRunner:
         groups = [(index, None if everyone else self._tensor(rows)) for index, rows in rows_of.items()]
         row_adapters = None
         if rows_of and not everyone:
-            one_hot = torch.nn.functional.one_hot(self._tensor(adapter_of_row), len(self.lora_step.index) + 1)
+            one_hot = torch.nn.functional.one_hot(self._tensor(adapter_of_row), self.lora_step.slots + 1)
             row_adapters = one_hot[:, 1:].to(self.dtype)
         self.lora_step.set_rows(groups, row_adapters)
 

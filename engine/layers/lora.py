@@ -1,13 +1,13 @@
 """LoRA on the engine's linears: y = base(x) + (x A^T)(scale B)^T for the rows of each adapter in a step, so requests
 of several adapters and of the base model share one batch, as vLLM's punica kernels allow.
 
-A linear keeps every adapter's pair stacked, each padded to the linear's widest adapter: `down` [in, adapters x
-width], `up` [adapters x width, out]. A step whose rows all run one adapter multiplies by that adapter's slices (two
-ops). A step that mixes adapters (or adapters and the base model) multiplies by all of them and masks each row's
-intermediate to its own adapter's columns: three ops whatever the mix, where a gather, two matmuls and a
-scatter-add per adapter cost 1.6x the step at four adapters (BENCHMARKS.md). The extra multiply-adds are what the
-other adapters' columns cost; past `in_features` columns in all (many adapters) the linear takes the per-adapter
-path instead.
+A linear keeps its adapters' pairs stacked in slots, each padded to the linear's widest adapter: `down` [in, slots x
+width], `up` [slots x width, out]; loading an adapter fills one slot, dropping it frees it. A step whose rows all
+run one adapter multiplies by that adapter's slices (two ops). A step that mixes adapters (or adapters and the base
+model) multiplies by all slots and masks each row's intermediate to its own adapter's columns: three ops whatever the
+mix, where a gather, two matmuls and a scatter-add per adapter cost 1.6x the step at four adapters (BENCHMARKS.md).
+The extra multiply-adds are what the other slots' columns cost; past `in_features` columns in all (many or wide
+slots) the linear takes the per-adapter path instead.
 
 On CPU a bf16 matmul this thin costs ~20 us whatever its rows, fp32 3 us for one row, so in bf16 a step of up to
 FP32_ROWS rows computes the adapters from fp32 copies (crossover measured at 32-48 rows on a 2-core AMX Xeon, rank 16
@@ -23,10 +23,11 @@ class LoRAStep:
     """Which rows of the step's flat batch run which adapter: set by the model runner before each forward, read by
     every linear that has adapters. Rows of the base model run none."""
 
-    def __init__(self, names: list[str]):
-        self.index = {name: i for i, name in enumerate(names)}  # adapter name -> its index in every LinearLoRA
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (adapter index, its rows; None: every row)
-        self.row_adapters: torch.Tensor | None = None  # mixed steps: one-hot [rows, adapters]
+    def __init__(self, slots: int):
+        self.slots = slots  # adapters every LinearLoRA has room for
+        self.index: dict[str, int] = {}  # adapter name -> its slot in every LinearLoRA
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (adapter slot, its rows; None: every row)
+        self.row_adapters: torch.Tensor | None = None  # mixed steps: one-hot [rows, slots]
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def set_rows(self, groups: list[tuple[int, torch.Tensor | None]], row_adapters: torch.Tensor | None) -> None:
@@ -45,23 +46,47 @@ class LoRAStep:
 
 
 class LinearLoRA:
-    """One linear's adapters, stacked: adapter i's A^T is down[:, i*width:(i+1)*width], its scale * B^T the same rows
-    of up; an adapter that leaves this linear alone has zeros there."""
+    """One linear's adapters in slots: slot i's A^T is down[:, i*width:(i+1)*width], its scale * B^T the same rows of
+    up (a narrower adapter zero-padded); a slot whose adapter leaves this linear alone, or is dropped, holds zeros."""
 
-    def __init__(self, step: LoRAStep, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]], num_adapters: int,
-                 in_features: int, out_features: int, like: torch.Tensor):
-        self.step = step
-        self.width = max(down.shape[1] for down, _ in pairs.values())
-        self.down = like.new_zeros(in_features, num_adapters * self.width)
-        self.up = like.new_zeros(num_adapters * self.width, out_features)
-        for index, (down, up) in pairs.items():
-            start = index * self.width
-            self.down[:, start : start + down.shape[1]] = down
-            self.up[start : start + up.shape[0]] = up
-        self.adapters = set(pairs)
-        self.stacked = num_adapters * self.width <= in_features  # else mixed steps go adapter by adapter
+    def __init__(self, step: LoRAStep, slots: int, width: int, in_features: int, out_features: int, like: torch.Tensor):
+        self.step, self.slots, self.width = step, slots, width
+        self.in_features, self.out_features = in_features, out_features
+        self.down = like.new_zeros(in_features, slots * width)
+        self.up = like.new_zeros(slots * width, out_features)
         thin_rows_in_fp32 = like.device.type == "cpu" and like.dtype != torch.float32
         self.fp32 = (self.down.float(), self.up.float()) if thin_rows_in_fp32 else None
+        self.filled: set[int] = set()
+        self.stacked = slots * width <= in_features  # else mixed steps go adapter by adapter
+
+    def put(self, slot: int, down: torch.Tensor, up: torch.Tensor) -> None:
+        """An adapter's pair, down [in, rank'] and up [rank', out] with rank' <= width, into `slot`."""
+        self.clear(slot)
+        start = slot * self.width
+        for stacked_down, stacked_up in self._copies():
+            stacked_down[:, start : start + down.shape[1]] = down
+            stacked_up[start : start + up.shape[0]] = up
+        self.filled.add(slot)
+
+    def clear(self, slot: int) -> None:
+        """Zeros in `slot`: an adapter that leaves this linear alone may take it next, and a mixed step multiplies
+        every slot (masked, but a mask selects the slot for that adapter's rows)."""
+        start = slot * self.width
+        for stacked_down, stacked_up in self._copies():
+            stacked_down[:, start : start + self.width].zero_()
+            stacked_up[start : start + self.width].zero_()
+        self.filled.discard(slot)
+
+    def _copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.down, self.up), *([self.fp32] if self.fp32 is not None else [])]
+
+    def resized(self, slots: int, width: int) -> "LinearLoRA":
+        """A copy with room for `slots` slots of `width`, holding this one's filled slots."""
+        bigger = LinearLoRA(self.step, slots, width, self.in_features, self.out_features, self.down)
+        for slot in self.filled:
+            start = slot * self.width
+            bigger.put(slot, self.down[:, start : start + self.width], self.up[start : start + self.width])
+        return bigger
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.step.groups:
@@ -75,7 +100,7 @@ class LinearLoRA:
         if step.row_adapters is not None and self.stacked:
             return y.add_(((x @ down) * step.mask(self.width, x.dtype)) @ up)
         for index, rows in step.groups:
-            if index not in self.adapters:
+            if index not in self.filled:
                 continue
             start = index * self.width
             down_i, up_i = down[:, start : start + self.width], up[start : start + self.width]

@@ -1,27 +1,21 @@
-"""LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors), read at start (lora_modules) or
-on first use (lora_root) and attached to the native model's linears; merged projections (q/k/v, gate/up) get one
+"""LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors), read and stacked onto the native
+model's linears (engine/lora_manager.py decides when); merged projections (q/k/v, gate/up) get one
 adapter pair whose up-projection is block-diagonal over their shards. What the engine cannot apply exactly is refused
 with the setting that asks for it."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from engine.config import EngineConfig, LoRAModule
-from engine.errors import EngineInputError
+from engine.config import LoRAModule
 from engine.layers.linear import Linear, MergedLinear
-from engine.layers.lora import LinearLoRA, LoRAStep
 from engine.models.llama import MERGED
-
-log = logging.getLogger(__name__)
 
 # PEFT's names: base_model.model.<the base model's module>.lora_A|lora_B[.adapter name].weight
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[\w-]+)?\.weight$")
@@ -36,6 +30,7 @@ class LoRAAdapter:
     name: str
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # checkpoint module name -> (A [rank, in], scale * B [out, rank])
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # model linear -> (down, up)
 
 
 def read_adapter(module: LoRAModule, max_rank: int) -> LoRAAdapter:
@@ -75,80 +70,17 @@ def _check_settings(config: dict, where: str, max_rank: int) -> None:
         raise ValueError(f"{where}: rank r={config.get('r')} is outside [1, max_lora_rank={max_rank}]")
 
 
-class LoRAManager:
-    """The adapters on the model: lora_modules' for the engine's life, lora_root's loaded on first use and, past
-    max_loras, dropped least recently used first once no request runs them. Every load and drop restacks the linears'
-    adapters, between steps: on SmolLM2 at rank 16 a load held the step loop ~50 ms, a drop ~23 (BENCHMARKS.md). An adapter's `key` starts its prefix-cache chains: its name, and for one from
-    lora_root the weights file's size and time, so blocks of an adapter since replaced on disk serve no one."""
-
-    def __init__(self, model, config: EngineConfig):
-        self.model, self.config = model, config
-        self.step = LoRAStep([])
-        model.lora_step = model.model.lora_step = self.step
-        self.static = [module.name for module in config.lora_modules]
-        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
-        self.keys: dict[str, str] = {}
-        for module in config.lora_modules:
-            self.adapters[module.name], self.keys[module.name] = read_adapter(module, config.max_lora_rank), module.name
-        self._restack()
-
-    def ensure(self, name: str) -> str:
-        """Load adapter `name` unless it is loaded; its prefix-cache key. EngineInputError where it cannot be."""
-        if name not in self.adapters:
-            self._load(name)
-        self.adapters.move_to_end(name)
-        return self.keys[name]
-
-    def drop_idle(self, in_use: set[str]) -> list[str]:
-        """Drop loaded lora_root adapters past max_loras, least recently used first, that no request runs."""
-        dynamic = [name for name in self.adapters if name not in self.static]
-        excess = len(dynamic) - self.config.max_loras
-        dropped = [name for name in dynamic if name not in in_use][: max(0, excess)]
-        for name in dropped:
-            del self.adapters[name], self.keys[name]
-        if dropped:
-            self._restack()
-        return dropped
-
-    def _load(self, name: str) -> None:
-        path = self.config.lora_path(name)
-        if path is None:
-            raise EngineInputError(f"LoRA adapter {name[:256]!r} is not served here", "lora_name")
-        try:
-            self.adapters[name] = read_adapter(LoRAModule(name=name, path=path), self.config.max_lora_rank)
-            self.keys[name] = f"{name}@{_file_identity(Path(path) / 'adapter_model.safetensors')}"
-            self._restack()
-        except Exception as exc:  # a broken adapter fails its requests, never the engine
-            self.adapters.pop(name, None)
-            self.keys.pop(name, None)
-            self._restack()
-            raise EngineInputError(f"LoRA adapter {name!r} could not be loaded: {exc}", "lora_name") from exc
-        log.info("loaded LoRA adapter %s (rank %d)", name, self.adapters[name].rank)
-
-    def _restack(self) -> None:
-        _attach(self.model, list(self.adapters.values()), self.step)
-
-
-def _file_identity(path: Path) -> str:
-    stat = path.stat()
-    return f"{stat.st_size}-{stat.st_mtime_ns}"
-
-
-def _attach(model, adapters: list[LoRAAdapter], step: LoRAStep) -> None:
-    """Give every linear an adapter touches its LinearLoRA (and every other none); adapter i is index i of `step`."""
-    pairs: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # linear path -> adapter index -> (down, up)
-    for index, adapter in enumerate(adapters):
-        for path, shards in _by_linear(adapter).items():
-            linear = _linear(model, path, adapter.name)
-            pair = _merged_pair(linear, shards) if isinstance(linear, MergedLinear) else _own_pair(linear, shards[0])
-            pairs.setdefault(path, {})[index] = pair
+def prepare_adapter(model, module: LoRAModule, max_rank: int) -> LoRAAdapter:
+    """Read an adapter and shape it for `model`: each linear's pair, merged as the model's projections are, on its
+    device and in its dtype (a thread may do this beside the model's steps: it touches nothing they use)."""
+    adapter = read_adapter(module, max_rank)
     weight = model.model.embed_tokens.weight
-    for name, linear in model.model.layers.named_modules(prefix="model.layers"):
-        if isinstance(linear, Linear):
-            by_adapter = pairs.get(name)
-            linear.lora = None if by_adapter is None else LinearLoRA(
-                step, by_adapter, len(adapters), linear.in_features, linear.out_features, weight)
-    step.index = {adapter.name: i for i, adapter in enumerate(adapters)}
+    for path, shards in _by_linear(adapter).items():
+        linear = _linear(model, path, adapter.name)
+        down, up = _merged_pair(linear, shards) if isinstance(linear, MergedLinear) else _own_pair(linear, shards[0])
+        adapter.pairs[path] = (down.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype))
+    adapter.weights = {}  # the checkpoint's shapes are not needed once paired
+    return adapter
 
 
 def _by_linear(adapter: LoRAAdapter) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:

@@ -334,3 +334,63 @@ def test_an_adapter_replaced_on_disk_finds_none_of_its_old_blocks_and_a_broken_o
     assert outputs[1].error is None
     assert_matches_hf(references["all-linears"], prompt, outputs[1], "beside the broken adapter")
     assert llm.engine.stats().kv_blocks_free == llm.engine.runner.num_blocks
+
+
+@pytest.mark.slow
+def test_an_adapter_loads_beside_the_steps_of_other_requests(served, tokenizer, tmp_path, monkeypatch):
+    """A client naming adapter after adapter must not stall everyone: reading an adapter (made to take 1.5 s here)
+    happens on a loader thread while other requests keep decoding; the request waits, out of the batch, then runs."""
+    import time
+
+    from engine import lora_manager
+
+    path, adapters, references = served["llama-hd64"]
+    root = _copy_adapters(adapters, tmp_path / "adapters")
+    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, num_kv_blocks=256)
+    prepare = lora_manager.prepare_adapter
+
+    def slow_prepare(*args):
+        time.sleep(1.5)
+        return prepare(*args)
+
+    monkeypatch.setattr(lora_manager, "prepare_adapter", slow_prepare)
+    prompts = varied_prompts(tokenizer)
+    llm.add_request("base", prompts[0], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    llm.step()
+    llm.add_request("adapted", prompts[3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                    lora_name="attention-qv")
+    started, tokens_meanwhile, longest_step, adapted = time.monotonic(), 0, 0.0, None
+    while adapted is None:
+        step_started = time.monotonic()
+        for out in llm.step():
+            if out.request_id == "base" and adapted is None:
+                tokens_meanwhile = out.num_tokens
+            if out.request_id == "adapted" and out.finished:
+                adapted = out
+        longest_step = max(longest_step, time.monotonic() - step_started)
+        assert time.monotonic() - started < 30
+    assert time.monotonic() - started >= 1.5 and longest_step < 0.5, longest_step
+    assert tokens_meanwhile >= 20, f"the base request made {tokens_meanwhile} tokens while the adapter loaded"
+    assert_matches_hf(references["attention-qv"], prompts[3], adapted, "after its load")
+    llm.abort("base")
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.engine.stats().kv_blocks_free == llm.engine.runner.num_blocks
+
+
+@pytest.mark.slow
+def test_an_adapter_in_a_dropped_adapters_slot_gets_none_of_its_weights(served, tokenizer, tmp_path):
+    """attention-qv (q and v only) takes the slot all-linears left: the linears it leaves alone must hold zeros
+    there, or its rows get all-linears' o, gate/up and down adapters in mixed steps."""
+    path, adapters, references = served["llama-hd64"]
+    root = _copy_adapters(adapters, tmp_path / "adapters")
+    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, max_loras=1, num_kv_blocks=256)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = varied_prompts(tokenizer)[:4]
+    llm.generate(prompts[:1], params, use_tqdm=False, lora_name="all-linears")
+    assert llm.engine.loras.step.index == {"all-linears": 0}
+    names = ["attention-qv", None, "attention-qv", None]  # mixed steps: every slot multiplied, masked per row
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_name=names)
+    assert llm.engine.loras.step.index == {"attention-qv": 0} and llm.engine.loras.step.slots == 1
+    for i, (prompt, name, out) in enumerate(zip(prompts, names, outputs)):
+        assert_matches_hf(references[name], prompt, out, f"prompt {i} on {name}")

@@ -10,9 +10,30 @@ IN, OUT = 96, 80
 
 
 def pairs() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Adapter 0 of width 8, adapter 2 of width 4; adapter 1 leaves this linear alone."""
+    """Adapter 0 of width 8, adapter 2 of width 4; slot 1's adapter leaves this linear alone (or was dropped)."""
     torch.manual_seed(0)
     return {0: (torch.randn(IN, 8), torch.randn(8, OUT)), 2: (torch.randn(IN, 4), torch.randn(4, OUT))}
+
+
+def filled(step: LoRAStep, dtype: torch.dtype) -> LinearLoRA:
+    """Slots of width 8 (adapter 2's pair is narrower: zero-padded); slot 1 held an adapter since dropped, and the
+    adapter there now leaves this linear alone."""
+    lora = LinearLoRA(step, 3, 8, IN, OUT, torch.empty(0, dtype=dtype))
+    lora.put(1, torch.randn(IN, 8).to(dtype), torch.randn(8, OUT).to(dtype))
+    lora.clear(1)
+    for slot, (down, up) in pairs().items():
+        lora.put(slot, down.to(dtype), up.to(dtype))
+    return lora
+
+
+def test_a_wider_adapter_grows_the_slots_and_keeps_the_others():
+    step = LoRAStep(3)
+    lora = filled(step, torch.float32).resized(4, 12)
+    assert (lora.slots, lora.width, lora.filled) == (4, 12, {0, 2})
+    x, y = torch.randn(5, IN), torch.randn(5, OUT)
+    rows = [0, 2, None, 0, 2]
+    torch.testing.assert_close(run_step(lora, step, x, y, rows, slots=4).double(), reference(x, y, rows),
+                               rtol=1e-5, atol=1e-4)
 
 
 def reference(x: torch.Tensor, y: torch.Tensor, adapter_of_row: list[int | None]) -> torch.Tensor:
@@ -24,7 +45,8 @@ def reference(x: torch.Tensor, y: torch.Tensor, adapter_of_row: list[int | None]
     return expected
 
 
-def run_step(lora: LinearLoRA, step: LoRAStep, x: torch.Tensor, y: torch.Tensor, adapter_of_row: list[int | None]):
+def run_step(lora: LinearLoRA, step: LoRAStep, x: torch.Tensor, y: torch.Tensor, adapter_of_row: list[int | None],
+             slots: int = 3):
     rows_of: dict[int, list[int]] = {}
     for row, adapter in enumerate(adapter_of_row):
         if adapter is not None:
@@ -32,7 +54,7 @@ def run_step(lora: LinearLoRA, step: LoRAStep, x: torch.Tensor, y: torch.Tensor,
     everyone = len(rows_of) == 1 and None not in adapter_of_row
     step.set_rows([(a, None if everyone else torch.tensor(r)) for a, r in rows_of.items()],
                   None if everyone else torch.nn.functional.one_hot(
-                      torch.tensor([0 if a is None else a + 1 for a in adapter_of_row]), 4)[:, 1:].float())
+                      torch.tensor([0 if a is None else a + 1 for a in adapter_of_row]), slots + 1)[:, 1:].float())
     return lora.add_to(x, y.clone())
 
 
@@ -41,8 +63,8 @@ def run_step(lora: LinearLoRA, step: LoRAStep, x: torch.Tensor, y: torch.Tensor,
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("mix", ["one adapter", "two adapters and the base", "an adapter this linear lacks"])
 def test_each_row_gets_its_own_adapter(dtype, rows, stacked, mix):
-    step = LoRAStep(["a", "b", "c"])
-    lora = LinearLoRA(step, pairs(), 3, IN, OUT, torch.empty(0, dtype=dtype))
+    step = LoRAStep(3)
+    lora = filled(step, dtype)
     assert (lora.fp32 is not None) == (dtype == torch.bfloat16)
     lora.stacked = stacked
     adapter_of_row = {"one adapter": [2] * rows, "two adapters and the base": [[None, 0, 2][r % 3] for r in range(rows)],
@@ -56,8 +78,8 @@ def test_each_row_gets_its_own_adapter(dtype, rows, stacked, mix):
 
 
 def test_no_adapter_rows_leave_the_output_alone():
-    step = LoRAStep(["a", "b", "c"])
-    lora = LinearLoRA(step, pairs(), 3, IN, OUT, torch.empty(0))
+    step = LoRAStep(3)
+    lora = filled(step, torch.float32)
     y = torch.randn(4, OUT)
     step.set_rows([], None)
     assert torch.equal(lora.add_to(torch.randn(4, IN), y.clone()), y)
