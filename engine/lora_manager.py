@@ -5,6 +5,8 @@ at rank 16) stays off the step loop, so a client naming adapter after adapter do
 putting it into its slots takes the loop ~9 ms, a drop ~5 (BENCHMARKS.md)."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -80,10 +82,14 @@ class LoRAManager:
                 if linear.lora is not None and slot in linear.lora.filled:
                     linear.lora.clear(slot)
             self.free.append(slot)
+        self._count_used()
         return dropped
 
+    def _count_used(self) -> None:
+        self.step.used = max(self.step.index.values(), default=-1) + 1
+
     def _read(self, name: str) -> tuple[LoRAAdapter, str]:
-        torch.set_num_threads(1)  # this thread's own OpenMP pool would spin beside the step's on the same cores
+        _one_openmp_thread()  # a pool of this thread's own would spin beside the step's on the same cores
         path = self.config.lora_path(name)
         if path is None:
             raise EngineInputError(f"LoRA adapter {name[:256]!r} is not served here", "lora_name")
@@ -109,6 +115,7 @@ class LoRAManager:
             linear.lora.put(slot, down, up)
         self.adapters[adapter.name], self.keys[adapter.name] = adapter, key
         self.step.index[adapter.name] = slot
+        self._count_used()
 
     def _grow(self) -> int:
         """Room for max_loras more adapters in every linear; the first new slot."""
@@ -122,6 +129,27 @@ class LoRAManager:
 
     def _linears(self) -> list[Linear]:
         return [m for m in self.model.model.layers.modules() if isinstance(m, Linear)]
+
+
+def _one_openmp_thread() -> None:
+    """OpenMP teams of one for the calling thread only. torch.set_num_threads would not do: ATen keeps one count for
+    the process, which a thread that has not yet run a torch op (a step loop started later) takes as its own. ATen
+    sets a thread's team size at its first torch call, so that call comes first."""
+    set_num_threads = _omp_set_num_threads()
+    if set_num_threads is not None:
+        torch.get_num_threads()
+        set_num_threads(1)
+
+
+@functools.cache
+def _omp_set_num_threads():
+    """The OpenMP runtime torch loaded (its own libgomp), or None (not Linux, or another runtime)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libgomp" in line), None)
+    except OSError:
+        return None
+    return None if path is None else ctypes.CDLL(path).omp_set_num_threads
 
 
 def _file_identity(path: Path) -> str:

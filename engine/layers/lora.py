@@ -26,6 +26,7 @@ class LoRAStep:
     def __init__(self, slots: int):
         self.slots = slots  # adapters every LinearLoRA has room for
         self.index: dict[str, int] = {}  # adapter name -> its slot in every LinearLoRA
+        self.used = slots  # slots up to the highest one in use: a mixed step multiplies these only
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # (adapter slot, its rows; None: every row)
         self.row_adapters: torch.Tensor | None = None  # mixed steps: one-hot [rows, slots]
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -38,10 +39,10 @@ class LoRAStep:
         return bool(self.groups)
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, adapters x width]: 1 where a column belongs to the row's adapter; one per width, dtype and step."""
+        """[rows, used x width]: 1 where a column belongs to the row's adapter; one per width, dtype and step."""
         mask = self._masks.get((width, dtype))
         if mask is None:
-            mask = self._masks[width, dtype] = self.row_adapters.to(dtype).repeat_interleave(width, dim=1)
+            mask = self._masks[width, dtype] = self.row_adapters[:, : self.used].to(dtype).repeat_interleave(width, 1)
         return mask
 
 
@@ -98,7 +99,8 @@ class LinearLoRA:
     def _add(self, x: torch.Tensor, y: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         step = self.step
         if step.row_adapters is not None and self.stacked:
-            return y.add_(((x @ down) * step.mask(self.width, x.dtype)) @ up)
+            columns = step.used * self.width  # the slots past the last one in use hold zeros
+            return y.add_(((x @ down[:, :columns]) * step.mask(self.width, x.dtype)) @ up[:columns])
         for index, rows in step.groups:
             if index not in self.filled:
                 continue

@@ -282,7 +282,7 @@ def _copy_adapters(adapters: dict[str, str], root) -> str:
 @pytest.mark.slow
 def test_adapters_under_lora_root_load_on_first_use_and_idle_ones_go_past_max_loras(served, tokenizer, tmp_path):
     """Ray Serve LLM's dynamic loading from a path: nothing is loaded at start; each adapter loads when a request
-    first names it (two at once although max_loras is 1: both run); once idle, the least recently used goes, and a
+    first names it (one at a time, in order, on the loader thread); once idle, the least recently used goes, and a
     later request loads it again. Every output is PEFT's."""
     path, adapters, references = served["llama-hd64"]
     root = _copy_adapters(adapters, tmp_path / "adapters")
@@ -298,7 +298,8 @@ def test_adapters_under_lora_root_load_on_first_use_and_idle_ones_go_past_max_lo
             assert_matches_hf(references[name], prompt, out, f"prompt {i} on {name}")
 
     check(["all-linears", "attention-qv", None] * 2)
-    assert set(llm.engine.settings()["lora_adapters"].split(",")) == {"all-linears", "attention-qv"}
+    # all-linears' requests may end before attention-qv is read, and then it is dropped to make room
+    assert llm.engine.settings()["lora_adapters"] in ("all-linears,attention-qv", "attention-qv")
     check(["attention-qv"] * 6)
     assert llm.engine.settings()["lora_adapters"] == "attention-qv"
     check(["all-linears", None] * 3)
@@ -355,6 +356,7 @@ def test_an_adapter_loads_beside_the_steps_of_other_requests(served, tokenizer, 
 
     monkeypatch.setattr(lora_manager, "prepare_adapter", slow_prepare)
     prompts = varied_prompts(tokenizer)
+    threads = torch.get_num_threads()
     llm.add_request("base", prompts[0], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
     llm.step()
     llm.add_request("adapted", prompts[3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
@@ -372,6 +374,11 @@ def test_an_adapter_loads_beside_the_steps_of_other_requests(served, tokenizer, 
     assert time.monotonic() - started >= 1.5 and longest_step < 0.5, longest_step
     assert tokens_meanwhile >= 20, f"the base request made {tokens_meanwhile} tokens while the adapter loaded"
     assert_matches_hf(references["attention-qv"], prompts[3], adapted, "after its load")
+    # a thread that starts now (a step loop, a server's executor) takes the process's count: the loader's must not leak
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as fresh:
+        assert fresh.submit(torch.get_num_threads).result() == threads, "the loader's thread count leaked"
     llm.abort("base")
     while llm.has_unfinished_requests():
         llm.step()

@@ -26,6 +26,18 @@ def filled(step: LoRAStep, dtype: torch.dtype) -> LinearLoRA:
     return lora
 
 
+def test_a_mixed_step_multiplies_only_the_slots_up_to_the_last_in_use():
+    step = LoRAStep(5)
+    lora = LinearLoRA(step, 5, 8, IN, OUT, torch.empty(0))  # slots 3 and 4 empty
+    for slot, (down, up) in pairs().items():
+        lora.put(slot, down, up)
+    step.used = 3
+    x, y = torch.randn(6, IN), torch.randn(6, OUT)
+    rows = [0, None, 2, 2, None, 0]
+    got = run_step(lora, step, x, y, rows, slots=5)
+    torch.testing.assert_close(got.double(), reference(x, y, rows), rtol=1e-5, atol=1e-4)
+
+
 def test_a_wider_adapter_grows_the_slots_and_keeps_the_others():
     step = LoRAStep(3)
     lora = filled(step, torch.float32).resized(4, 12)
