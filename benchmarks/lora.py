@@ -10,7 +10,6 @@ python benchmarks/lora.py --vllm-python .venv-peers/bin/python --sizes 64,1 --ru
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -23,7 +22,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from bench import cpu_flags  # the sibling scripts
+from bench import cpu_flags, summarize  # the sibling scripts
 from core_env import restart_as_served
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL, EngineConfig, LoRAModule
@@ -80,10 +79,6 @@ def run_ours(llm: LLM, scenario: dict, names: list[str]) -> dict:
     outputs = llm.generate(scenario["prompts"], params, use_tqdm=False, lora_name=lora)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "output_tokens": sum(len(o.token_ids) for o in outputs)}
-
-
-def rate(runs: list[dict]) -> float:
-    return statistics.median(r["output_tokens"] / r["seconds"] for r in runs)
 
 
 def load_stall(adapters: int, rank: int, dtype: str, threads: int, every: int = 8, tokens: int = 400) -> dict:
@@ -177,14 +172,15 @@ def report(cases: dict, ours: dict[str, list[dict]], peer: dict | None, settings
     for name in cases:
         size = name.split(",")[0]  # base requests against LoRA off; adapters' against base requests with LoRA on
         base = size + (OFF if name.endswith((", base", OFF)) else ", base")
-        ours_rate, ours_base = rate(ours[name]), rate(ours[base])
-        row = {"engine_tokens_per_s": ours_rate, "engine_vs_base": ours_rate / ours_base,
-               "engine_runs": [r["output_tokens"] / r["seconds"] for r in ours[name]]}
+        mine = summarize(ours[name])
+        ours_rate = mine["tokens_per_s"]
+        row = {"engine_tokens_per_s": ours_rate, "engine_vs_base": ours_rate / summarize(ours[base])["tokens_per_s"],
+               "engine_runs": mine["all_tokens_per_s"]}
         if peer is not None:
-            peer_rate = rate(peer[name])
-            row |= {"vllm_tokens_per_s": peer_rate, "vllm_vs_base": peer_rate / rate(peer[base]),
-                    "engine_over_vllm": ours_rate / peer_rate,
-                    "vllm_runs": [r["output_tokens"] / r["seconds"] for r in peer[name]]}
+            theirs = summarize(peer[name])
+            peer_rate = theirs["tokens_per_s"]
+            row |= {"vllm_tokens_per_s": peer_rate, "vllm_vs_base": peer_rate / summarize(peer[base])["tokens_per_s"],
+                    "engine_over_vllm": ours_rate / peer_rate, "vllm_runs": theirs["all_tokens_per_s"]}
         rows[name] = row
         table.add_row(name, f"{ours_rate:,.0f}", f"{row['engine_vs_base']:.2f}x",
                       *((f"{row['vllm_tokens_per_s']:,.0f}", f"{row['vllm_vs_base']:.2f}x",

@@ -216,7 +216,7 @@ class LLMEngine:
                 self.parked.remove(seq)
             self.scheduler.finish(seq, reason)
         outputs = self._admit_parked() if self.parked else []
-        if self.loras is not None and len(self.loras.adapters) > self.config.max_loras + len(self.loras.static):
+        if self.loras is not None and self.loras.past_limit:
             self.loras.drop_idle(self._adapters_in_use())
         return outputs + [core_output(seq) for seq, _ in aborted]
 

@@ -69,6 +69,11 @@ class LoRAManager:
                 results[name] = exc
         return results
 
+    @property
+    def past_limit(self) -> bool:
+        """More lora_root adapters loaded than max_loras (those in use when the others came)."""
+        return len(self.adapters) - len(self.static) > self.config.max_loras
+
     def drop_idle(self, in_use: set[str], room_for: int = 0) -> list[str]:
         """Drop loaded lora_root adapters past max_loras (less `room_for`), least recently used first, that no
         request runs."""

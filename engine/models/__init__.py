@@ -51,12 +51,10 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     path = resolve_model_path(config.model)
     hf_config = load_hf_config(config)
     reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
-    if config.quantization == "gguf" and reason is not None:
-        raise ValueError(f"quantization gguf runs on the native model only, which cannot run {config.model}: {reason}")
-    if config.serves_lora and reason is not None:
-        raise ValueError(f"LoRA adapters (lora_modules, lora_root) run on the native model only, which cannot run {config.model}: {reason}")
-    if config.compile and reason is not None:
-        raise ValueError(f"compile runs on the native model only, which cannot run {config.model}: {reason}")
+    for asked, what in ((config.quantization == "gguf", "quantization gguf runs"), (config.compile, "compile runs"),
+                        (config.serves_lora, "LoRA adapters (lora_modules, lora_root) run")):
+        if asked and reason is not None:
+            raise ValueError(f"{what} on the native model only, which cannot run {config.model}: {reason}")
     if reason is None:
         model = load_native(path, hf_config, config, device, dtype)
     elif config.model_impl == "native":

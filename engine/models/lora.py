@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,11 +29,11 @@ UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": No
 class LoRAAdapter:
     name: str
     rank: int
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # checkpoint module name -> (A [rank, in], scale * B [out, rank])
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # model linear -> (down, up)
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # the model's linear -> (down [in, r'], up [r', out])
 
 
-def read_adapter(module: LoRAModule, max_rank: int) -> LoRAAdapter:
+def _read_checkpoint(module: LoRAModule, max_rank: int) -> tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The adapter's rank, and its checkpoint module name -> (A [rank, in], scale * B [out, rank])."""
     directory = Path(module.path)
     where = f"LoRA adapter {module.name!r} ({directory})"
     config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
@@ -55,7 +55,7 @@ def read_adapter(module: LoRAModule, max_rank: int) -> LoRAAdapter:
         if set(pair) != {"A", "B"} or pair["A"].shape[0] != rank or pair["B"].shape[1] != rank:
             raise ValueError(f"{where}: {name} needs lora_A [{rank}, in] and lora_B [out, {rank}]")
         weights[name] = (pair["A"], pair["B"] * scale)
-    return LoRAAdapter(module.name, rank, weights)
+    return rank, weights
 
 
 def _check_settings(config: dict, where: str, max_rank: int) -> None:
@@ -73,20 +73,20 @@ def _check_settings(config: dict, where: str, max_rank: int) -> None:
 def prepare_adapter(model, module: LoRAModule, max_rank: int) -> LoRAAdapter:
     """Read an adapter and shape it for `model`: each linear's pair, merged as the model's projections are, on its
     device and in its dtype (a thread may do this beside the model's steps: it touches nothing they use)."""
-    adapter = read_adapter(module, max_rank)
+    rank, weights = _read_checkpoint(module, max_rank)
     weight = model.model.embed_tokens.weight
-    for path, shards in _by_linear(adapter).items():
-        linear = _linear(model, path, adapter.name)
+    pairs = {}
+    for path, shards in _by_linear(weights).items():
+        linear = _linear(model, path, module.name)
         down, up = _merged_pair(linear, shards) if isinstance(linear, MergedLinear) else _own_pair(linear, shards[0])
-        adapter.pairs[path] = (down.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype))
-    adapter.weights = {}  # the checkpoint's shapes are not needed once paired
-    return adapter
+        pairs[path] = (down.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype))
+    return LoRAAdapter(module.name, rank, pairs)
 
 
-def _by_linear(adapter: LoRAAdapter) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+def _by_linear(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """The native model's linear path -> {shard: (A, B)} (shard 0 of a linear that is not merged)."""
     linears: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for name, pair in adapter.weights.items():
+    for name, pair in weights.items():
         parent, _, leaf = name.rpartition(".")
         merged, shard = MERGED.get(leaf, (leaf, 0))
         linears.setdefault(f"{parent}.{merged}", {})[shard] = pair

@@ -13,6 +13,7 @@ from engine.errors import EngineInputError
 from engine.metrics import PrometheusSink, StepMetrics
 from tests.engine.helpers import assert_matches_hf, assert_varied, load_hf_model
 from tests.engine.test_synthetic_models import varied_prompts
+from tests.fixtures.lora_adapters import make_adapter
 from tests.fixtures.tiny_models import TINY, synthetic_tokenizer, tiny_checkpoint
 
 NEW_TOKENS = 16
@@ -23,21 +24,6 @@ ADAPTERS = {
                                                              "up_proj", "down_proj"]),
     "attention-qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
 }
-
-
-def make_adapter(base_path: str, directory, seed: int, **settings) -> str:
-    """A PEFT adapter with random A and B (PEFT starts B at zero, which would change nothing), saved as PEFT saves."""
-    from peft import LoraConfig, get_peft_model  # here: a GPU machine collects this module without peft
-
-    torch.manual_seed(seed)
-    base = load_hf_model(base_path)
-    peft_model = get_peft_model(base, LoraConfig(lora_dropout=0.0, init_lora_weights=False, **settings))
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.05)
-    peft_model.save_pretrained(directory)
-    return str(directory)
 
 
 def peft_reference(base_path: str, adapter_path: str):

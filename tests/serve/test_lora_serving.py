@@ -10,6 +10,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL
 from engine.models import resolve_model_path
+from tests.fixtures.lora_adapters import make_adapter
 from tests.serve.conftest import wait_idle, whole_app
 
 pytestmark = pytest.mark.slow
@@ -21,21 +22,9 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory):
-    """A PEFT adapter of the embedded model with random weights (PEFT would start B at zero: no change at all)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(7)
-    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(DEFAULT_MODEL), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                                            lora_dropout=0.0, init_lora_weights=False))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.02)
-    directory = tmp_path_factory.mktemp("adapter") / ADAPTER
-    model.save_pretrained(directory)
-    return str(directory)
+    """A PEFT adapter of the embedded model with random weights."""
+    return make_adapter(DEFAULT_MODEL, tmp_path_factory.mktemp("adapter") / ADAPTER, 7, b_std=0.02, r=8, lora_alpha=16,
+                        target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 @pytest.fixture(scope="module")
