@@ -53,9 +53,23 @@ def served(tmp_path_factory):
     return result
 
 
+_ENGINES: list[LLM] = []  # every engine a test made, checked idle with every block free after it
+
+
+@pytest.fixture(autouse=True)
+def every_block_free_after_test():
+    yield
+    engines = [_ENGINES.pop() for _ in range(len(_ENGINES))]
+    for llm in engines:
+        stats = llm.engine.stats()
+        assert stats.idle and stats.kv_blocks_free == llm.engine.runner.num_blocks, stats
+
+
 def lora_llm(path: str, adapters: dict[str, str], device: str = "cpu", **settings) -> LLM:
     modules = tuple(LoRAModule(name=name, path=adapter) for name, adapter in adapters.items())
-    return LLM(model=path, dtype="float32", device=device, lora_modules=modules, **settings)
+    llm = LLM(model=path, dtype="float32", device=device, lora_modules=modules, **settings)
+    _ENGINES.append(llm)
+    return llm
 
 
 # (device, attention backend); on CUDA (marker gpu, deselected where there is none) base rows replay CUDA graphs
@@ -117,7 +131,7 @@ def test_an_unknown_adapter_is_refused_naming_lora_name(served, tokenizer):
     with pytest.raises(EngineInputError, match="'nope' is not a LoRA adapter.*'all-linears' and 'attention-qv'") as error:
         llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False, lora_name="nope")
     assert error.value.param == "lora_name"
-    plain = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64)
+    plain = lora_llm(path, {}, num_kv_blocks=64)
     with pytest.raises(EngineInputError, match="it serves no adapter"):
         plain.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False, lora_name="all-linears")
 
@@ -272,7 +286,7 @@ def test_adapters_under_lora_root_load_on_first_use_and_idle_ones_go_past_max_lo
     later request loads it again. Every output is PEFT's."""
     path, adapters, references = served["llama-hd64"]
     root = _copy_adapters(adapters, tmp_path / "adapters")
-    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, max_loras=1, num_kv_blocks=256)
+    llm = lora_llm(path, {}, lora_root=root, max_loras=1, num_kv_blocks=256)
     assert llm.engine.settings()["lora_adapters"] == ""
     prompts = varied_prompts(tokenizer)[:6]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -303,7 +317,7 @@ def test_an_adapter_replaced_on_disk_finds_none_of_its_old_blocks_and_a_broken_o
 
     path, adapters, references = served["llama-hd64"]
     root = _copy_adapters(adapters, tmp_path / "adapters")
-    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, max_loras=1, num_kv_blocks=256)
+    llm = lora_llm(path, {}, lora_root=root, max_loras=1, num_kv_blocks=256)
     prompt = varied_prompts(tokenizer)[-3]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = llm.generate([prompt], params, use_tqdm=False, lora_name="attention-qv")[0]
@@ -333,7 +347,7 @@ def test_an_adapter_loads_beside_the_steps_of_other_requests(served, tokenizer, 
 
     path, adapters, references = served["llama-hd64"]
     root = _copy_adapters(adapters, tmp_path / "adapters")
-    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, num_kv_blocks=256)
+    llm = lora_llm(path, {}, lora_root=root, num_kv_blocks=256)
     prepare = lora_manager.prepare_adapter
 
     def slow_prepare(*args):
@@ -377,7 +391,7 @@ def test_an_adapter_in_a_dropped_adapters_slot_gets_none_of_its_weights(served, 
     there, or its rows get all-linears' o, gate/up and down adapters in mixed steps."""
     path, adapters, references = served["llama-hd64"]
     root = _copy_adapters(adapters, tmp_path / "adapters")
-    llm = LLM(model=path, dtype="float32", device="cpu", lora_root=root, max_loras=1, num_kv_blocks=256)
+    llm = lora_llm(path, {}, lora_root=root, max_loras=1, num_kv_blocks=256)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = varied_prompts(tokenizer)[:4]
     llm.generate(prompts[:1], params, use_tqdm=False, lora_name="all-linears")
