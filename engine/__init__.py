@@ -8,7 +8,7 @@ _HOMES = {
     "AsyncLLMEngine": "engine.async_engine", "DEFAULT_MODEL": "engine.config", "EngineConfig": "engine.config",
     "EngineDeadError": "engine.errors", "EngineInputError": "engine.errors", "EngineOverloadedError": "engine.errors",
     "LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "RequestOutput": "engine.output_processor",
-    "SamplingParams": "engine.sampling_params", "StructuredOutput": "engine.sampling_params",
+    "PoolingParams": "engine.pooling_params", "SamplingParams": "engine.sampling_params", "StructuredOutput": "engine.sampling_params",
 }
 __all__ = sorted(_HOMES)
 

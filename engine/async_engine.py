@@ -20,6 +20,7 @@ from engine.input_processor import InputProcessor, Prompt
 from engine.metrics import StepMetrics
 from engine.models import load_tokenizer
 from engine.output_processor import OutputProcessor, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -130,14 +131,16 @@ class AsyncLLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, prompt_leader: str | None = None,
-                    final_only: bool = False, priority: int = 0, lora_name: str | None = None) -> RequestStream:
+                    final_only: bool = False, priority: int = 0, lora_name: str | None = None,
+                    pooling: PoolingParams | None = None) -> RequestStream:
         """Validate, tokenize and enqueue now (raises EngineInputError); outputs arrive through the stream, with
         `final_only` one, finished (a whole answer: no output per step for a reader who would wait for the last);
-        `lora_name`: one of the engine's LoRA adapters (EngineConfig.lora_modules) runs it."""
+        `lora_name`: one of the engine's LoRA adapters (EngineConfig.lora_modules) runs it; `pooling`: an embedding
+        request (no `params`), whose one output carries `.embedding`."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, prompt_leader=prompt_leader,
-                                      priority=priority, lora_name=lora_name)
+                                      priority=priority, lora_name=lora_name, pooling=pooling)
         self.start()
         self.outputs.add(request, final_only)  # refuses an id in flight
         stream = RequestStream(request_id, self, asyncio.get_running_loop())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.engine_stats import EngineStats
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestMetrics
 
@@ -15,6 +16,9 @@ class ModelLimits(msgspec.Struct, frozen=True):
     vocab_size: int
     kv_capacity_tokens: int  # every KV block; a prompt this long can never be scheduled
     eos_token_ids: list[int]
+    hidden_size: int = 0  # an embedding's length
+    # the lengths an embedding may be cut to (`dimensions`): None, the model was not trained for it; empty, any
+    matryoshka_dimensions: list[int] | None = None
 
 
 class EngineRequest(msgspec.Struct):
@@ -29,6 +33,7 @@ class EngineRequest(msgspec.Struct):
     prompt_leader: str | None = None  # an earlier request with the same prompt (the choices of n > 1)
     priority: int = 0  # the scheduling policy "priority" serves a lower value first
     lora_name: str | None = None  # the LoRA adapter (EngineConfig.lora_modules) it runs; None: the base model
+    pooling: PoolingParams | None = None  # set: an embedding request, which ends after its prompt (max_tokens 0)
 
 
 class CoreInputs(msgspec.Struct):
@@ -54,6 +59,7 @@ class CoreOutput(msgspec.Struct):
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the request's first output
     error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
     prompt_ranks: list[int | None] | None = None  # with prompt_logprobs: each prompt token's rank
+    embedding: bytes | None = None  # an embedding request's result: float32 values, little-endian
 
 
 class MetricUpdate(msgspec.Struct, array_like=True):

@@ -11,6 +11,7 @@ from engine import chat
 from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
 from engine.errors import EngineInputError
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarChecker, GrammarCompiler
 
@@ -18,6 +19,7 @@ Messages = chat.Messages
 Prompt = Union[str, list[int], Messages]
 MAX_CACHE_SALT_CHARS = 256
 MAX_PRIORITY = 1 << 31
+EMBEDDING_PARAMS = SamplingParams(max_tokens=None, temperature=0.0)  # an embedding request's: nothing is sampled
 
 
 class InputProcessor:
@@ -33,8 +35,13 @@ class InputProcessor:
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
                 prompt_leader: str | None = None, priority: int = 0,
-                options: chat.ChatOptions = chat.DEFAULT_OPTIONS, lora_name: str | None = None) -> EngineRequest:
-        """Validate and tokenize; EngineInputError names the field at fault."""
+                options: chat.ChatOptions = chat.DEFAULT_OPTIONS, lora_name: str | None = None,
+                pooling: PoolingParams | None = None) -> EngineRequest:
+        """Validate and tokenize; EngineInputError names the field at fault. With `pooling`, an embedding request
+        (no `params`: it samples nothing)."""
+        if pooling is not None:
+            return self._embedding_request(request_id, prompt, pooling, arrival_time, cache_salt, priority, options,
+                                           lora_name)
         params = params or SamplingParams()
         self._check_cache_salt(cache_salt)
         self.check_lora_name(lora_name)
@@ -48,6 +55,42 @@ class InputProcessor:
         return EngineRequest(request_id, token_ids, params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader,
                              priority, lora_name)
+
+    def _embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams, arrival_time: float | None,
+                           cache_salt: str | None, priority: int, options: chat.ChatOptions,
+                           lora_name: str | None) -> EngineRequest:
+        self._check_cache_salt(cache_salt)
+        self.check_lora_name(lora_name)
+        self._check_priority(priority)
+        self.check_dimensions(pooling.dimensions)
+        token_ids = self.truncated_for_embedding(self.tokenize(prompt, None, options), pooling)
+        return EngineRequest(request_id, token_ids, EMBEDDING_PARAMS, 0,
+                             time.monotonic() if arrival_time is None else arrival_time, cache_salt, None, priority,
+                             lora_name, pooling)
+
+    def truncated_for_embedding(self, token_ids: list[int], pooling: PoolingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as the context and the KV cache hold), or
+        all of it; refused where it cannot fit. Nothing is generated, so a prompt may fill the context."""
+        room = min(self.limits.max_model_len, self.limits.kv_capacity_tokens)
+        keep = room if pooling.truncate_prompt_tokens == -1 else pooling.truncate_prompt_tokens
+        if keep is not None and len(token_ids) > keep:
+            token_ids = token_ids[-keep:]
+        if len(token_ids) > room:
+            raise EngineInputError(f"input has {len(token_ids)} tokens; at most {room} fit this model's context and KV "
+                                   "cache (truncate_prompt_tokens keeps the end of it)", "input")
+        return token_ids
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """`dimensions` only where the model was trained to be cut (Matryoshka), and then to a length it knows."""
+        size, allowed = self.limits.hidden_size, self.limits.matryoshka_dimensions
+        if dimensions is None or dimensions == size:
+            return
+        if allowed is None:
+            raise EngineInputError(f"dimensions: this model was not trained for shortened embeddings (Matryoshka); "
+                                   f"its embeddings have {size} dimensions", "dimensions")
+        if (allowed and dimensions not in allowed) or not 1 <= dimensions <= size:
+            sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {size}"
+            raise EngineInputError(f"dimensions is {dimensions}; this model's embeddings may have {sizes}", "dimensions")
 
     def tokenize(self, prompt: Prompt, tools: list[dict] | None = None,
                  options: chat.ChatOptions = chat.DEFAULT_OPTIONS) -> list[int]:

@@ -19,6 +19,7 @@ from engine.input_processor import InputProcessor, Messages, Prompt
 from engine.llm_engine import LLMEngine
 from engine.models import load_tokenizer
 from engine.output_processor import OutputProcessor, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -70,10 +71,18 @@ class LLM:
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
         return self._run(list(conversations), params, use_tqdm, priority, tools, options, lora_name)
 
+    def embed(self, prompts: list[Prompt] | Prompt, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (`.embedding`), in order, as vLLM's LLM.embed: the final hidden state of its last
+        token, unit length by default (PoolingParams says otherwise)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(prompts, None, use_tqdm, None, lora_name=lora_name, pooling=pooling_params or PoolingParams())
+
     def _run(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
              priority: list[int] | None, tools: list[dict] | None = None,
              options: ChatOptions = DEFAULT_OPTIONS,
-             lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+             lora_name: str | list[str | None] | None = None, pooling: PoolingParams | None = None) -> list[RequestOutput]:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
@@ -88,14 +97,14 @@ class LLM:
                                                                            adapters)):
             try:
                 self.add_request(request_id, prompt, p, tools=tools, final_only=True, priority=rank, options=options,
-                                 lora_name=adapter)
+                                 lora_name=adapter, pooling=pooling)
             except BaseException:  # one refused prompt refuses the batch: the ones before it must not run on
                 for earlier in ids[:added]:
                     self.abort(earlier)
                     self.outputs.forget(earlier)
                 raise
         finals: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(prompts), desc="embed" if pooling else "generate", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
                 for out in self.step():
                     if out.finished:
@@ -108,14 +117,16 @@ class LLM:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, tools: list[dict] | None = None,
                     prompt_leader: str | None = None, final_only: bool = False, priority: int = 0,
-                    options: ChatOptions = DEFAULT_OPTIONS, lora_name: str | None = None) -> None:
+                    options: ChatOptions = DEFAULT_OPTIONS, lora_name: str | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         """Validate, tokenize and enqueue (EngineInputError names the field at fault). Requests with a `cache_salt`
         share prefix-cache blocks only with requests carrying the same salt; one naming a `prompt_leader` (an
         earlier request with the same prompt, as the choices of n > 1 are) shares that request's prompt blocks.
-        With `final_only`, `step` reports the request once, finished; `lora_name` names the LoRA adapter that runs it."""
+        With `final_only`, `step` reports the request once, finished; `lora_name` names the LoRA adapter that runs it;
+        `pooling` makes it an embedding request (no `params`)."""
         request = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, tools=tools,
                                       prompt_leader=prompt_leader, priority=priority, options=options,
-                                      lora_name=lora_name)
+                                      lora_name=lora_name, pooling=pooling)
         self.outputs.add(request, final_only)
         try:
             self.core.add(request)

@@ -22,8 +22,9 @@ from engine.errors import EngineInputError
 from engine.host_memory import keep_freed_memory
 from engine.kv_budget import num_kv_blocks
 from engine.metrics import StepMetrics
+from engine.pooler import embeddings
 from engine.model_runner import ModelRunner, StepLogits, kv_geometry
-from engine.models import load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
+from engine.models import embedding_sizes, load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.lora_manager import LoRAManager
 from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN
@@ -81,7 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.scheduling_policy == "priority")
         self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
-                                  sorted(self.eos_token_ids))
+                                  sorted(self.eos_token_ids), *embedding_sizes(self.model.config))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len)
         self.sampler = StepSampler(self.eos_token_ids, nucleus_mask_op() if self.device.type == "cpu" else None)
@@ -132,7 +133,7 @@ class LLMEngine:
             raise EngineInputError(f"lora_name {request.lora_name!r} is not a LoRA adapter of this engine", "lora_name")
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output else None
         seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time, request.cache_salt,
-                       request.priority, request.lora_name)
+                       request.priority, request.lora_name, request.pooling)
         seq.runtime = new_progress(request, grammar)
         self.inbox.put(seq, request.prompt_leader)
         return seq
@@ -311,7 +312,7 @@ class LLMEngine:
             self.sampler.record_prompt_logprobs(part)
         drafts = {seq.request_id: d for seq, d in zip(batch.seqs, batch.draft_token_ids) if d}
         with self.phases("sample"):
-            tokens, logprobs = self.sampler(step, drafts)
+            tokens, logprobs = self.sampler(step, drafts) if step.seqs else ([], [])
         with self.phases("output"):
             return self._commit(batch, step, drafts, tokens, logprobs)
 
@@ -335,11 +336,25 @@ class LLMEngine:
         self.counters["prompt_tokens"] += self._num_prompt_tokens_in(batch)
         self.scheduler.mark_computed(batch)
         now = time.monotonic()  # the step's tokens all arrive now
+        if step.pooled_seqs:
+            outputs += self._finish_pooled(step, now)
         for seq, seq_tokens, seq_logprobs, seq_drafts in emitted:
             outputs.append(self._append_tokens(seq, seq_tokens, seq_logprobs, now))
             if seq_drafts:
                 self.speculator.verified(seq, seq_drafts, len(seq_tokens) - 1)
                 self.scheduler.release_rejected(seq)
+        return outputs
+
+    def _finish_pooled(self, step: StepLogits, now: float) -> list[CoreOutput]:
+        """Embedding requests whose prompt the step computed end here, with their embedding."""
+        outputs = []
+        for seq, embedding in zip(step.pooled_seqs, embeddings(step.pooled, [seq.pooling for seq in step.pooled_seqs])):
+            if seq.is_finished:  # aborted while its step ran
+                continue
+            seq.runtime.embedding = embedding
+            seq.metrics.first_token_time = seq.metrics.last_token_time = now
+            self.scheduler.finish(seq, "stop")
+            outputs.append(core_output(seq))
         return outputs
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> CoreOutput:
@@ -364,7 +379,7 @@ class LLMEngine:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
         the same step (penalties, a grammar, min_tokens, bad words), and never past max_tokens or the context."""
         params, state = seq.params, seq.runtime
-        if (seq.num_uncomputed_tokens != 1 or params.has_penalties or state.grammar is not None
+        if (seq.pooling is not None or seq.num_uncomputed_tokens != 1 or params.has_penalties or state.grammar is not None
                 or seq.num_output_tokens < params.min_tokens or params.bad_words_token_ids):
             return 0
         return min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1

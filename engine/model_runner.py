@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,12 +35,15 @@ class PromptLogits:
 @dataclass
 class StepLogits:
     """One step's logits: `rows[i]` consecutive rows for `seqs[i]` (1, or 1 + its drafts: the rows that verify them
-    and the bonus), and the prompt positions of sequences that asked for prompt logprobs."""
+    and the bonus), the prompt positions of sequences that asked for prompt logprobs, and the hidden states of
+    embedding requests whose prompt ends in this step."""
 
     seqs: list[Sequence]
     logits: torch.Tensor
     rows: list[int]
     prompt: list[PromptLogits]
+    pooled_seqs: list[Sequence] = dataclasses.field(default_factory=list)  # embedding requests that end now
+    pooled: torch.Tensor | None = None  # [len(pooled_seqs), hidden]: each one's last prompt token's final hidden state
 
 
 def kv_geometry(hf_config) -> tuple[int, int, int]:
@@ -109,8 +113,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
-        """Run one step: the logits of every sequence that samples now (its last real token and its drafts), and of
-        the prompt positions computed now for sequences that asked for prompt logprobs."""
+        """Run one step: the logits of every sequence that samples now (its last real token and its drafts), of
+        the prompt positions computed now for sequences that asked for prompt logprobs, and the last hidden state of
+        embedding requests whose prompt ends now."""
         with self.phases("prepare"):
             if batch.block_copies:
                 self._copy_blocks(batch.block_copies)
@@ -126,17 +131,17 @@ class ModelRunner:
         for seq, num_new, drafts in zip(seqs, num_new_tokens, (batch.draft_token_ids[i] for i in order)):
             rows.add(seq, num_new, drafts, self.block_size)
         num_decodes = sum(1 for n in num_new_tokens if n == 1)
-        host = [rows.input_ids, rows.positions, rows.sample_indices + rows.prompt_indices, rows.slots]
+        host = [rows.input_ids, rows.positions, rows.sample_indices + rows.prompt_indices, rows.slots, rows.pool_indices]
         decode_lens = [seq.num_computed_tokens + 1 for seq in seqs[:num_decodes]]
         host += self._decode_lists(seqs[:num_decodes], decode_lens) if num_decodes else []
         host += self._prefill_lists(seqs[num_decodes:], num_new_tokens[num_decodes:])
         device = iter(self._upload(host))
         self._set_lora_rows(seqs, num_new_tokens)
-        input_ids, positions, logits_indices, slots = (next(device) for _ in range(4))
+        input_ids, positions, logits_indices, slots, pool_indices = (next(device) for _ in range(5))
         decode = self._decode_batch(num_decodes, max(decode_lens), device) if num_decodes else None
         meta = self._metadata(seqs[num_decodes:], num_new_tokens[num_decodes:], num_decodes, slots, decode, device)
         return (input_ids, positions, meta, logits_indices), len(rows.sample_indices), rows.sampling_seqs, rows.rows, \
-            rows.prompt_spans
+            rows.prompt_spans, rows.pooled_seqs, pool_indices
 
     @torch.inference_mode()
     def execute_ahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> StepLogits:
@@ -156,15 +161,20 @@ class ModelRunner:
                                  [1] * len(seqs), [])
 
     def _forward(self, model_inputs: tuple, num_sampled: int, sampling_seqs: list[Sequence], rows: list[int],
-                 prompt_spans: list) -> StepLogits:
+                 prompt_spans: list, pooled_seqs: list[Sequence] = (), pool_indices: torch.Tensor | None = None
+                 ) -> StepLogits:
         input_ids, positions, meta, logits_indices = model_inputs
-        if self._replays(meta, logits_indices):
+        pooled = None
+        if pooled_seqs:
+            logits, pooled = self.model.forward_pooled(*model_inputs, pool_indices)
+        elif self._replays(meta, logits_indices):
             logits = self.graphs.run(input_ids, positions, meta)
         else:
             logits = self.model(*model_inputs)
         sampled, prompt = logits[:num_sampled], logits[num_sampled:]
         return StepLogits(sampling_seqs, sampled, rows, [PromptLogits(seq, first, prompt[offset : offset + count])
-                                                         for seq, first, offset, count in prompt_spans if count])
+                                                         for seq, first, offset, count in prompt_spans if count],
+                          list(pooled_seqs), pooled)
 
     def _set_lora_rows(self, seqs: list[Sequence], num_rows: list[int]) -> None:
         """Tell the model's linears which of the step's rows (each sequence's, consecutive) run which adapter."""
@@ -274,10 +284,12 @@ class _StepRows:
         self.rows: list[int] = []  # per sampling sequence: its rows (1 + its drafts)
         self.prompt_indices: list[int] = []
         self.prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, offset, count)
+        self.pool_indices: list[int] = []  # the last prompt row of each embedding request whose prompt ends now
+        self.pooled_seqs: list[Sequence] = []
 
     def add(self, seq: Sequence, num_new: int, drafts: list[int], block_size: int) -> None:
         start = seq.num_computed_tokens
-        if num_new == 1 and start == len(seq) - 1 and seq.params.prompt_logprobs is None:
+        if num_new == 1 and start == len(seq) - 1 and seq.params.prompt_logprobs is None and seq.pooling is None:
             self._add_decode(seq, start, block_size)  # the common row, without the general case's ranges
             return
         end = start + num_new
@@ -288,7 +300,10 @@ class _StepRows:
         self.input_ids.extend(seq.token_ids[start : end - len(drafts)] + drafts)
         self.positions.extend(range(start, end))
         self.slots.extend(_slot(seq.block_table, p, block_size) for p in range(start, end))
-        if end - len(drafts) == len(seq):
+        if end == len(seq) and seq.pooling is not None:
+            self.pool_indices.append(len(self.input_ids) - 1)
+            self.pooled_seqs.append(seq)
+        elif end - len(drafts) == len(seq):
             self.sample_indices.extend(range(len(self.input_ids) - 1 - len(drafts), len(self.input_ids)))
             self.sampling_seqs.append(seq)
             self.rows.append(1 + len(drafts))

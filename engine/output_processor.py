@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+from array import array
 from dataclasses import dataclass, field
 
 from engine.core_messages import CoreOutput, EngineRequest
@@ -36,6 +38,17 @@ class RequestOutput:
     # The request's own list of output tokens, which only grows (as `logprobs` does): this output's are its first
     # num_tokens. A copy each output cost a stream O(length) a step (256 streams at 2,000 tokens: ~2 ms a step).
     live_token_ids: list[int] = field(default_factory=list, repr=False)
+    embedding_f32: bytes | None = field(default=None, repr=False)  # an embedding request's, as the core sent it
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """An embedding request's embedding (vLLM's `outputs.embedding`); None for a generation."""
+        if self.embedding_f32 is None:
+            return None
+        values = array("f", self.embedding_f32)
+        if sys.byteorder != "little":
+            values.byteswap()
+        return values.tolist()
 
     @property
     def token_ids(self) -> list[int]:
@@ -184,6 +197,7 @@ class OutputProcessor:
             prompt_logprobs=request.prompt_logprobs,
             prompt_ranks=request.prompt_ranks,
             live_token_ids=request.token_ids,
+            embedding_f32=out.embedding,
         )
         request.sent_text_len, request.sent_token_len = visible, num_tokens
         return result

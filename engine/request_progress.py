@@ -28,6 +28,7 @@ class RequestProgress:
     sent_tokens: int = 0
     error: str | None = None
     error_param: str | None = None  # the request field at fault, when the error is the request's own
+    embedding: bytes | None = None  # an embedding request's result (engine/pooler.py)
 
 
 def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
@@ -84,7 +85,7 @@ def core_output(seq: Sequence) -> CoreOutput:
     progress.sent_tokens += len(new_tokens)
     return CoreOutput(seq.request_id, new_tokens, seq.metrics, seq.finish_reason, progress.error, new_logprobs,
                       seq.num_cached_tokens or 0, progress.prompt_logprobs if first else None, progress.error_param,
-                      progress.prompt_ranks if first else None)
+                      progress.prompt_ranks if first else None, progress.embedding)
 
 
 def _grammar_failure(seq: Sequence, error: str) -> EngineInputError:

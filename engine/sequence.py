@@ -29,8 +29,9 @@ class RequestMetrics:
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, pooling: Any = None):
         self.request_id = request_id
+        self.pooling = pooling  # PoolingParams of an embedding request, which ends when its prompt is computed
         self.lora_name = lora_name  # the LoRA adapter this request runs (None: the base model)
         self.lora_key = lora_name  # the loaded adapter's identity, where its prefix-cache chains start (LoRAManager)
         self.priority = priority  # under the priority policy, a lower value is served first

@@ -15,7 +15,7 @@ from engine.layers.rotary import STATIC_ROPE_TYPES, rope_type
 from engine.models.llama import LlamaForCausalLM
 from engine.models.gguf import read_tensors as gguf_tensors
 from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, cpu_has_bf16, embedded_checkpoint,
-                                  embedded_gguf_path, gguf_path, is_gguf_file, load_hf_config, load_tokenizer,
+                                  embedded_gguf_path, embedding_sizes, gguf_path, is_gguf_file, load_hf_config, load_tokenizer,
                                   model_max_len, quantization_config, resolve_device, resolve_dtype, resolve_model_path)
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the fallback is imported where it runs: transformers' PreTr
 NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM}
 
 __all__ = ["load_model", "NATIVE", "native_unsupported", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
-           "embedded_gguf_path", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
+           "embedded_gguf_path", "embedding_sizes", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
 
 
 def native_unsupported(hf_config, config: EngineConfig) -> str | None:

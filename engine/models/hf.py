@@ -47,6 +47,14 @@ class HFCausalLM(nn.Module):
         return self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), logits_to_keep=logits_indices,
                        use_cache=False, paged_metadata=meta).logits[0]
 
+    def forward_pooled(self, input_ids, positions, meta: AttentionMetadata, logits_indices, pool_indices
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits at `logits_indices` and the final hidden states (after the last norm: transformers' last
+        `hidden_states`) at `pool_indices`."""
+        out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), logits_to_keep=logits_indices,
+                      use_cache=False, paged_metadata=meta, output_hidden_states=True)
+        return out.logits[0], out.hidden_states[-1][0].index_select(0, pool_indices)
+
     def weight_bytes(self) -> int:
         return self.hf.get_memory_footprint()
 

@@ -160,6 +160,13 @@ class LlamaForCausalLM(nn.Module):
             return self.compiled(input_ids, positions, meta, logits_indices)
         return self.lm_head(self.model(input_ids, positions, meta), logits_indices)
 
+    def forward_pooled(self, input_ids, positions, meta: AttentionMetadata, logits_indices, pool_indices
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits at `logits_indices` and the final hidden states at `pool_indices` (embedding requests), from
+        one pass layer by layer."""
+        hidden = self.model(input_ids, positions, meta)
+        return self.lm_head(hidden, logits_indices), hidden.index_select(0, pool_indices)
+
     def compile(self, cache_dir: Path) -> None:
         """Every step but the one-call native decode runs through one inductor graph from now on (compiled on the
         first such step)."""

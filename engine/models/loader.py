@@ -143,6 +143,15 @@ def model_max_len(hf_config: AutoConfig) -> int:
     return 2048
 
 
+def embedding_sizes(hf_config: AutoConfig) -> tuple[int, list[int] | None]:
+    """An embedding's length, and the lengths it may be cut to: those the config lists as `matryoshka_dimensions`,
+    any with `is_matryoshka`, else None (vLLM's rule: a model not trained for it refuses `dimensions`)."""
+    listed = getattr(hf_config, "matryoshka_dimensions", None)
+    if listed is not None:
+        return hf_config.hidden_size, sorted(int(d) for d in listed)
+    return hf_config.hidden_size, [] if getattr(hf_config, "is_matryoshka", False) else None
+
+
 def checkpoint_dir(path: str) -> Path:
     """A local directory with the checkpoint's files: the path itself, or the hub cache's snapshot of an id."""
     if Path(path).is_dir():
