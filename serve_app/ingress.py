@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.aio import all_or_none
 from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
@@ -23,9 +24,10 @@ from engine.config import ADAPTER_NAME
 from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                       StreamOptions, TokenizeRequest)
-from serve_app.protocol import Admitted, Delta, GenerationJob, Refused, Tokens
+from serve_app.protocol import Admitted, Delta, EmbeddingJob, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
-from serve_app import responses_api, responses_api_output
+from serve_app import embeddings_api, responses_api, responses_api_output
+from serve_app.embeddings_api import EmbeddingRequest
 from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
                                  usage, vllm_prompt_logprobs)
 from serve_app.responses_api import ResponsesRequest
@@ -124,6 +126,20 @@ class Ingress:
         self._raise_if_refused(text)
         return {"prompt": text}
 
+    async def embed(self, body: EmbeddingRequest, request: Request) -> dict:
+        """OpenAI's /v1/embeddings: each input's embedding from the model (or the adapter `model` names)."""
+        lora_name = self._lora_name(body.model)
+        request_id = body.request_id or request.state.request_id
+        try:
+            job = EmbeddingJob(request_id, body.inputs, body.pooling_params(), body.priority, lora_name)
+        except EngineInputError as exc:
+            raise OpenAIError(400, str(exc), exc.param)
+        result = await self._call(self._retrying_lost_replicas(lambda: self.replica.embed(job)),
+                                  self.args.request_timeout_s)
+        self._raise_if_refused(result)
+        return embeddings_api.response_body(request_id, self._model_name(body.model), result.vectors,
+                                            result.prompt_tokens, body.encoding_format, body.endianness)
+
     # -- one request ---------------------------------------------------------------------------------
 
     async def _info(self) -> dict:
@@ -189,7 +205,7 @@ class Ingress:
         parse_tools = _offers_tools(body)
         created, n = int(time.time()), body.n
         groups = [[Choice(k * n + i, chat, parse_tools) for i in range(n)] for k in range(len(jobs))]
-        results = await _all([self._whole(job, group) for job, group in zip(jobs, groups)])
+        results = await all_or_none([self._whole(job, group) for job, group in zip(jobs, groups)])
         for group, (admitted, _) in zip(groups, results):
             for choice in group:
                 choice.prefix = admitted.prompt_text or ""
@@ -429,17 +445,6 @@ def _adapters_under(root: str | None, listed: list[str], limit: int = 1000) -> l
     return [name for name in names if name not in listed][:limit]
 
 
-async def _all(awaitables: list) -> list:
-    """Every awaitable's result, run together; the first failure cancels the others and is raised."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
-
-
 def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name: str | None) -> GenerationJob:
     """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
     name the field."""
@@ -524,6 +529,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await ingress.respond(body, [m.for_template() for m in body.messages], chat=True, request=request)
+
+    @api.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return CompletionResponse(await ingress.embed(body, request))
 
     @api.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

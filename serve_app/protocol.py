@@ -7,6 +7,7 @@ from typing import Any
 from engine import SamplingParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.engine_stats import EngineStats
+from engine.pooling_params import PoolingParams
 
 
 @dataclass
@@ -25,6 +26,25 @@ class GenerationJob:
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>" (vLLM's field)
     priority: int = 0  # the engine's priority policy serves a lower value first; its fcfs policy refuses any other
     lora_name: str | None = None  # the LoRA adapter the request named as its model; None: the base model
+
+
+@dataclass
+class EmbeddingJob:
+    """An embeddings request: each input is an engine request of its own, pooled, not sampled."""
+
+    request_id: str
+    inputs: list[str | list[int]]
+    pooling: PoolingParams
+    priority: int = 0
+    lora_name: str | None = None
+
+
+@dataclass
+class Embeddings:
+    """An embedding job's result: each input's vector (little-endian float32 bytes), in order, and its tokens."""
+
+    vectors: list[bytes]
+    prompt_tokens: int
 
 
 @dataclass

@@ -19,9 +19,10 @@ from engine.detokenizer import TokenTexts
 from engine.models import load_tokenizer
 from engine.metrics import StepMetrics
 from engine.step_stats import freeze_gc_heap
+from serve_app.aio import all_or_none
 from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
-from serve_app.protocol import Admitted, Delta, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob, Tokens
+from serve_app.protocol import Admitted, Delta, EmbeddingJob, Embeddings, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob, Tokens
 from serve_app.metrics import RaySink
 
 log = logging.getLogger("ray.serve")
@@ -30,6 +31,9 @@ log = logging.getLogger("ray.serve")
 # continuous batching in the engine never waits on admission. 5 ms costs TTFT little and fills batches under load.
 ADMISSION_BATCH_SIZE = 32
 ADMISSION_WAIT_S = 0.005
+# of one embeddings request's inputs in the engine at once, and at most half its queue (max_waiting): a request of
+# 2,048 inputs neither fills the queue for everyone else nor waits behind a round trip per input
+EMBEDDINGS_IN_FLIGHT = 32
 
 
 class EngineReplica:
@@ -154,6 +158,53 @@ class EngineReplica:
         finally:
             for stream in streams:
                 await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
+
+    async def embed(self, job: EmbeddingJob) -> Embeddings | Refused:
+        """Each input's embedding: tokenized on the tokenizer thread, then run as engine requests, at most
+        EMBEDDINGS_IN_FLIGHT of one job at a time."""
+        prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._embedding_inputs, job)
+        if isinstance(prompts, Refused):
+            return prompts
+        queue = self.args.engine_config.max_waiting
+        window = asyncio.Semaphore(max(1, min(EMBEDDINGS_IN_FLIGHT, queue // 2 if queue else EMBEDDINGS_IN_FLIGHT)))
+
+        async def one(ids: list[int]) -> bytes:
+            async with window:
+                stream = self.frontend.add_request(f"{job.request_id}#{uuid.uuid4().hex[:12]}", ids, final_only=True,
+                                                   priority=job.priority, lora_name=job.lora_name, pooling=job.pooling)
+                try:
+                    async for output in stream:
+                        if output.error:
+                            raise EngineInputError(output.error, output.error_param) if output.error_param else \
+                                RuntimeError(output.error)
+                        if output.finished:
+                            return output.embedding_f32
+                finally:
+                    await stream.aclose()
+            raise RuntimeError("the engine ended an embedding request without its embedding")
+
+        try:
+            vectors = await all_or_none([one(ids) for ids in prompts])  # a cancelled one's stream aborts
+        except Exception as exc:
+            return _refusal(exc, job)
+        return Embeddings(vectors, sum(map(len, prompts)))
+
+    def _embedding_inputs(self, job: EmbeddingJob) -> list[list[int]] | Refused:
+        """Each input's token ids, truncated as asked and checked against the model's context."""
+        inputs, prompts = self.frontend.inputs, []
+        try:
+            inputs.check_dimensions(job.pooling.dimensions)
+            for i, text in enumerate(job.inputs):
+                try:
+                    prompts.append(inputs.truncated_for_embedding(inputs.tokenize(text), job.pooling))
+                except EngineInputError as exc:
+                    if exc.param not in ("prompt", "input"):
+                        raise
+                    said = str(exc).replace("prompt", "input", 1)  # the embeddings API's name for it
+                    raise EngineInputError(f"{said} (input {i})" if len(job.inputs) > 1 else said, "input") from None
+        except EngineInputError as exc:
+            return Refused(400, str(exc), exc.param)
+        return prompts
 
     def _interval(self, job: GenerationJob) -> int | None:
         """Tokens per chunk for this job now: its stream_interval, or under `stream_chunks_per_step` fewer while few

@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.app_deletion import AppDeletion
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
-from serve_app.protocol import GenerationJob, Refused, ReplicaStats, Tokens
+from serve_app.protocol import EmbeddingJob, Embeddings, GenerationJob, Refused, ReplicaStats, Tokens
 
 if TYPE_CHECKING:
     from serve_app.replica import EngineReplica
@@ -36,6 +36,8 @@ class ReplicaClient(Protocol):
     async def detokenize(self, tokens: list[int]) -> str | Refused: ...
 
     def generate(self, job: GenerationJob) -> ReplicaStream: ...
+
+    async def embed(self, job: EmbeddingJob) -> Embeddings | Refused: ...
 
     async def unroutable(self) -> bool:
         """Whether a generation not yet admitted never will be: no replica will come to take it."""
@@ -65,6 +67,9 @@ class RemoteReplica:
     def generate(self, job: GenerationJob) -> ReplicaStream:
         return self.handle.options(stream=True).generate.remote(job)
 
+    async def embed(self, job: EmbeddingJob) -> Embeddings | Refused:
+        return await self.handle.embed.remote(job)
+
     async def unroutable(self) -> bool:
         return await self._app_deletion.deleting()
 
@@ -91,6 +96,9 @@ class LocalReplica:
 
     def generate(self, job: GenerationJob) -> ReplicaStream:
         return LocalStream(self.replica.generate(job), self._closing)
+
+    async def embed(self, job: EmbeddingJob) -> Embeddings | Refused:
+        return await self.replica.embed(job)
 
     async def unroutable(self) -> bool:
         return False  # the replica is this process: a request here is admitted or refused by it

@@ -186,3 +186,21 @@ def test_a_core_process_sends_embeddings_to_the_async_front_end(hf32):
             engine.shutdown()
 
     assert_embeds_as_hf(hf32, asyncio.run(run()))
+
+
+def test_a_lora_adapter_embeds_as_peft_beside_the_base_model(tmp_path, hf32):
+    """`model` may name an adapter for embeddings too: its rows run the adapter in the same step as base rows."""
+    from peft import PeftModel
+
+    from engine.config import DEFAULT_MODEL, LoRAModule
+    from engine.models import resolve_model_path
+    from tests.fixtures.lora_adapters import make_adapter
+
+    path = make_adapter(resolve_model_path(DEFAULT_MODEL), tmp_path / "a", 3, b_std=0.05, r=8, lora_alpha=16,
+                        target_modules=["q_proj", "v_proj", "down_proj"])
+    peft = PeftModel.from_pretrained(load_hf_model(DEFAULT_MODEL), path).eval()
+    llm = LLM(dtype="float32", num_kv_blocks=64, lora_modules=[LoRAModule(name="a", path=path)])
+    outputs = llm.embed(TEXTS[:3] * 2, use_tqdm=False, lora_name=["a"] * 3 + [None] * 3)
+    assert_embeds_as_hf(peft, outputs[:3])
+    assert_embeds_as_hf(hf32, outputs[3:])
+    assert (torch.tensor(outputs[0].embedding) - torch.tensor(outputs[3].embedding)).abs().max() > 1e-2
