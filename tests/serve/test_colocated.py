@@ -38,6 +38,11 @@ def test_one_deployment_serves_what_the_split_app_serves(colocated, base_url, au
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert text == split.json()["choices"][0]["message"]["content"]
+    embed = {"input": ["Name three colours.", "Red"], "encoding_format": "float"}
+    split_vectors = httpx.post(base_url + "/v1/embeddings", json=embed, headers=auth, timeout=60).json()["data"]
+    together_vectors = httpx.post(base + "/v1/embeddings", json=embed, headers=auth, timeout=60).json()["data"]
+    for one, other in zip(together_vectors, split_vectors, strict=True):  # fp32, batched as the steps fell
+        assert max(abs(a - b) for a, b in zip(one["embedding"], other["embedding"], strict=True)) < 1e-4
     wait_idle(handle)
 
 
