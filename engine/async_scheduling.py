@@ -59,7 +59,7 @@ def flies(seq: Sequence) -> bool:
     return (seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
             and not params.has_penalties and params.logprobs is None
             and not params.logit_bias and not params.restricts_vocabulary and params.prompt_logprobs is None
-            and seq.runtime.grammar is None
+            and seq.runtime.grammar is None and seq.runtime.pending_grammar is None
             and seq.num_output_tokens >= params.min_tokens)
 
 

@@ -152,7 +152,8 @@ class InputProcessor:
         if params.allowed_token_ids is not None and len(params.allowed_token_ids) > vocab:  # the core sorts them
             raise EngineInputError(f"allowed_token_ids: at most {vocab} ids, the vocabulary's size", "allowed_token_ids")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("constrain_after", params.constrain_after or ())):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise EngineInputError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})", name)

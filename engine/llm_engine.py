@@ -379,7 +379,8 @@ class LLMEngine:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
         the same step (penalties, a grammar, min_tokens, bad words), and never past max_tokens or the context."""
         params, state = seq.params, seq.runtime
-        if (seq.pooling is not None or seq.num_uncomputed_tokens != 1 or params.has_penalties or state.grammar is not None
+        if (seq.pooling is not None or seq.num_uncomputed_tokens != 1 or params.has_penalties
+                or state.grammar is not None or state.pending_grammar is not None
                 or seq.num_output_tokens < params.min_tokens or params.bad_words_token_ids):
             return 0
         return min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1

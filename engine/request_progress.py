@@ -21,6 +21,7 @@ class RequestProgress:
     generator: torch.Generator | None
     max_tokens: int
     grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
+    pending_grammar: Any = None  # the matcher while its constraint waits for params.constrain_after
     allowed_token_ids: torch.Tensor | None = None  # params.allowed_token_ids, made a tensor once
     logprobs: list[dict[int, float]] | None = None  # of the tokens not yet sent
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; the first has none
@@ -33,10 +34,12 @@ class RequestProgress:
 
 def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
     params = request.params
+    waits = grammar is not None and params.constrain_after is not None
     return RequestProgress(
         generator=make_generator(params),
         max_tokens=request.max_tokens,
-        grammar=grammar,
+        grammar=None if waits else grammar,
+        pending_grammar=grammar if waits else None,
         allowed_token_ids=None if params.allowed_token_ids is None else torch.tensor(sorted(set(params.allowed_token_ids))),
         logprobs=[] if params.logprobs is not None else None,
         prompt_logprobs=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
@@ -57,6 +60,8 @@ class StopChecker:
             progress.logprobs.append(logprob)
         if progress.grammar is not None and not progress.grammar.consume_token(token):
             raise _grammar_failure(seq, progress.grammar.get_error())
+        if progress.pending_grammar is not None:
+            _start_grammar_after(seq, progress)
         return self._stop_reason(seq, token)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -71,6 +76,13 @@ class StopChecker:
         if seq.num_output_tokens >= progress.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
+
+
+def _start_grammar_after(seq: Sequence, progress: RequestProgress) -> None:
+    """The constraint applies from the token after the output first holds params.constrain_after."""
+    after = seq.params.constrain_after
+    if seq.num_output_tokens >= len(after) and tuple(seq.token_ids[-len(after):]) == after:
+        progress.grammar, progress.pending_grammar = progress.pending_grammar, None
 
 
 def core_output(seq: Sequence) -> CoreOutput:

@@ -61,6 +61,9 @@ class SamplingParams:
     # never generated (vLLM's rule): a word's last token is banned where the output ends with the tokens before it
     bad_words: list[str] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None  # the input processor's tokenization of bad_words
+    # the structured output applies once the output holds these tokens (a reasoning model's end of thinking, as
+    # vLLM's reasoning parsers let the model think freely first); None: from the first token
+    constrain_after: tuple[int, ...] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +153,10 @@ class SamplingParams:
             bad(f"bad_words must be at most {MAX_BAD_WORDS} strings, each with a non-space character", "bad_words")
         if self.bad_words is not None and any(len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
             bad(f"a bad word may have at most {MAX_STOP_STRING_CHARS} characters", "bad_words")
+        after = self.constrain_after
+        if after is not None and (not isinstance(after, tuple) or not 0 < len(after) <= MAX_STOP_TOKEN_IDS
+                                  or not all(_is_int(t) and t >= 0 for t in after)):
+            bad(f"constrain_after must be 1 to {MAX_STOP_TOKEN_IDS} token ids", "constrain_after")
         words = self.bad_words_token_ids
         if words is not None and (sum(map(len, words)) > MAX_BAD_WORD_TOKENS or not all(
                 word and all(_is_int(t) and t >= 0 for t in word) for word in words)):

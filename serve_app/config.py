@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.config import EngineConfig
 from serve_app.autoscaling import EngineSignalTargets
 from serve_app.prefix_affinity import PrefixAffinityOptions
+from serve_app.reasoning import ReasoningParserName
 
 # What serving needs that the offline engine does not: a bounded queue (429 past it), a cap on max_tokens, and the
 # core in a process of its own, so the replica's HTTP and Ray messaging never share an interpreter lock with it.
@@ -23,6 +24,10 @@ class AppArgs(BaseModel):
     # the engine: every EngineConfig knob, set under `engine_config:` in a Serve config
     engine_config: EngineConfig = Field(default_factory=lambda: EngineConfig(**SERVING_ENGINE_DEFAULTS))
     served_model_name: str | None = None
+    reasoning_parser: ReasoningParserName | None = Field(default=None, description=(
+        "vLLM's --reasoning-parser: a reasoning model's thinking comes back as `reasoning` apart from its answer "
+        "(deepseek_r1: the template opens <think>; qwen3: the model does, or not), and a constraint (response_format, "
+        "a forced tool call) applies after </think>"))
 
     # placement and scaling
     num_gpus: float = Field(default=0, ge=0, description="per engine replica; 1 on a GPU cluster")

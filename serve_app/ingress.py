@@ -30,6 +30,7 @@ from serve_app import embeddings_api, responses_api, responses_api_output
 from serve_app.embeddings_api import EmbeddingRequest
 from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
                                  usage, vllm_prompt_logprobs)
+from serve_app.reasoning import PARSERS, ReasoningFormat, ReasoningSplitter
 from serve_app.responses_api import ResponsesRequest
 from serve_app.security import Guard, exposure_problem
 
@@ -179,7 +180,8 @@ class Ingress:
             raise OpenAIError(400, f"n: at most {self.args.max_n} choices per request, got {body.n}", "n")
         prompts = body.prompts if isinstance(body, CompletionRequest) else [prompt]
         # a batch of prompts: one job each, its choices numbered after the prompts before it (k * n + i)
-        return [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args, lora_name)
+        fmt, _ = self._reasoning(body, isinstance(body, ChatCompletionRequest))
+        return [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args, lora_name, fmt)
                 for k, p in enumerate(prompts)]
 
     async def stream_chunks(self, body: SamplingFields, prompt, chat: bool, request_id: str):
@@ -189,14 +191,21 @@ class Ingress:
         parse_tools = _offers_tools(body)
         started, n = await self._admit_all(jobs), body.n
         ids = body.return_token_ids
+        fmt, show = self._reasoning(body, chat)
         choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "",
                                   pending_token_ids=[] if ids else None,
-                                  prompt_token_ids=None if chat else admitted.prompt_token_ids)
+                                  prompt_token_ids=None if chat else admitted.prompt_token_ids,
+                                  reasoning=ReasoningSplitter(fmt) if fmt is not None else None, show_reasoning=show)
                    for k, (_, admitted) in enumerate(started) for i in range(n)]
         stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
         return self._chunks(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
                             body.stream_options or StreamOptions(), self._shows_cached_tokens(body), n,
                             started[0][1].prompt_token_ids if chat else None, self._model_name(body.model))
+
+    def _reasoning(self, body: SamplingFields, chat: bool) -> tuple[ReasoningFormat | None, bool]:
+        """A chat's reasoning format (the app's reasoning parser), and whether its reasoning is shown."""
+        fmt = PARSERS[self.args.reasoning_parser] if chat and self.args.reasoning_parser is not None else None
+        return fmt, getattr(body, "include_reasoning", True)
 
     async def whole_body(self, body: SamplingFields, prompt, chat: bool, request_id: str) -> dict:
         """Every prompt's choices, generated together; a replica lost for good mid-generation surfaces from _call:
@@ -204,7 +213,9 @@ class Ingress:
         jobs = self._jobs(body, prompt, request_id)
         parse_tools = _offers_tools(body)
         created, n = int(time.time()), body.n
-        groups = [[Choice(k * n + i, chat, parse_tools) for i in range(n)] for k in range(len(jobs))]
+        fmt, show = self._reasoning(body, chat)
+        groups = [[Choice(k * n + i, chat, parse_tools, reasoning=fmt, show_reasoning=show) for i in range(n)]
+                  for k in range(len(jobs))]
         results = await all_or_none([self._whole(job, group) for job, group in zip(jobs, groups)])
         for group, (admitted, _) in zip(groups, results):
             for choice in group:
@@ -445,7 +456,8 @@ def _adapters_under(root: str | None, listed: list[str], limit: int = 1000) -> l
     return [name for name in names if name not in listed][:limit]
 
 
-def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name: str | None) -> GenerationJob:
+def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name: str | None,
+         reasoning: ReasoningFormat | None = None) -> GenerationJob:
     """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
     name the field."""
     tools = _offered_tools(body)
@@ -456,7 +468,7 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name
                              stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
                              return_token_ids=body.return_token_ids,
                              return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority,
-                             lora_name=lora_name)
+                             lora_name=lora_name, reasoning=reasoning)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 

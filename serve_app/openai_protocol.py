@@ -446,7 +446,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    include_reasoning: bool = True  # the model does not reason: there is never reasoning to include or leave out
+    include_reasoning: bool = True  # false: the reply's reasoning (the app's reasoning_parser) is left out
 
     def chat_options(self) -> ChatOptions:
         """How the messages become the prompt; EngineInputError naming the field that cannot be."""

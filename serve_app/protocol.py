@@ -8,6 +8,7 @@ from engine import SamplingParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.engine_stats import EngineStats
 from engine.pooling_params import PoolingParams
+from serve_app.reasoning import ReasoningFormat
 
 
 @dataclass
@@ -26,6 +27,7 @@ class GenerationJob:
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>" (vLLM's field)
     priority: int = 0  # the engine's priority policy serves a lower value first; its fcfs policy refuses any other
     lora_name: str | None = None  # the LoRA adapter the request named as its model; None: the base model
+    reasoning: ReasoningFormat | None = None  # the app's reasoning parser, for a chat: its constraint waits for the end
 
 
 @dataclass

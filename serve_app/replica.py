@@ -62,23 +62,39 @@ class EngineReplica:
         prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize_all, jobs)
         return [self._enqueue(job, p) for job, p in zip(jobs, prompts)]  # one bad request must not fail its batch-mates
 
-    def _tokenize_all(self, jobs: list[GenerationJob]) -> list[list[int] | Refused]:
+    def _tokenize_all(self, jobs: list[GenerationJob]) -> list[tuple[list[int], SamplingParams] | Refused]:
         return [self._tokenize(job) for job in jobs]
 
-    def _tokenize(self, job: GenerationJob) -> list[int] | Refused:
-        """Tokens of the prompt, and the grammar checked (an in-process engine: compiled): both slow, both off the loop."""
+    def _tokenize(self, job: GenerationJob) -> tuple[list[int], SamplingParams] | Refused:
+        """Tokens of the prompt, and the grammar checked (an in-process engine: compiled): both slow, both off the
+        loop. With the job's sampling parameters, whose constraint may wait for the end of the model's reasoning."""
         try:
             if job.params.structured_output is not None:
                 self.frontend.inputs.grammars.check(job.params.structured_output)
             inputs = self.frontend.inputs
-            return inputs.truncated(inputs.tokenize(job.prompt, job.tools, job.chat), job.params)
+            token_ids = inputs.truncated(inputs.tokenize(job.prompt, job.tools, job.chat), job.params)
+            return token_ids, self._constraint_after_reasoning(job, token_ids)
         except Exception as exc:
             return _refusal(exc, job)
 
-    def _enqueue(self, job: GenerationJob, token_ids: list[int] | Refused) -> tuple[list[RequestStream], list[int]] | Refused:
+    def _constraint_after_reasoning(self, job: GenerationJob, token_ids: list[int]) -> SamplingParams:
+        """With a reasoning parser, a constraint (response_format, a forced tool call) waits for the end of the
+        reasoning, as vLLM's does: unless the prompt already closed it (Qwen3's template with thinking off)."""
+        fmt, params = job.reasoning, job.params
+        if fmt is None or params.structured_output is None:
+            return params
+        tokenizer = self.frontend.inputs.tokenizer
+        text = tokenizer.decode(token_ids)
+        if text.rfind(fmt.end) > text.rfind(fmt.start):
+            return params
+        return dataclasses.replace(params, constrain_after=tuple(tokenizer.encode(fmt.end, add_special_tokens=False)))
+
+    def _enqueue(self, job: GenerationJob, tokenized: tuple[list[int], SamplingParams] | Refused
+                 ) -> tuple[list[RequestStream], list[int]] | Refused:
         """One engine request per choice; the later ones share the first one's prompt blocks. All or none."""
-        if isinstance(token_ids, Refused):
-            return token_ids
+        if isinstance(tokenized, Refused):
+            return tokenized
+        token_ids, params = tokenized
         limit = self.args.max_prompt_logprob_tokens
         if job.params.prompt_logprobs is not None and len(token_ids) > limit:
             field = "echo" if job.echo else "prompt_logprobs"  # echo with logprobs, or vLLM's field
@@ -91,7 +107,7 @@ class EngineReplica:
                 # hit the new one, so the engine sees an id of its own per attempt.
                 engine_id = f"{job.request_id}#{uuid.uuid4().hex[:12]}"
                 leader = streams[0].request_id if streams else None
-                streams.append(self.frontend.add_request(engine_id, token_ids, _choice_params(job.params, index),
+                streams.append(self.frontend.add_request(engine_id, token_ids, _choice_params(params, index),
                                                        cache_salt=job.cache_salt, prompt_leader=leader,
                                                        final_only=job.stream_interval is None, priority=job.priority,
                                                        lora_name=job.lora_name))

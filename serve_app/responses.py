@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse
 
 from engine import tool_calls
 from serve_app.protocol import TokenLogprob
+from serve_app.reasoning import ReasoningFormat, ReasoningSplitter, split
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
@@ -59,6 +60,8 @@ class Choice:
     token_ids: list[int] | None = None  # return_token_ids: the output's ids ([] until they come; None: not asked)
     prompt_token_ids: list[int] | None = None  # return_token_ids: completions give each choice its prompt's
     prompt_scores: list[TokenLogprob] | None = None  # vLLM's prompt_logprobs: completions give each choice them
+    reasoning: ReasoningFormat | None = None  # the app's reasoning parser: chat replies' thinking apart
+    show_reasoning: bool = True  # include_reasoning
 
     def add(self, text: str, completion_tokens: int, finish_reason: str | None,
             logprobs: list[TokenLogprob] | None, token_ids: list[int] | None = None) -> None:
@@ -80,8 +83,11 @@ class Choice:
             if self.prompt_scores is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_scores)
             return self._with_ids(choice, self.prompt_token_ids)
-        content, calls = tool_calls.parse(self.text) if self.parse_tool_calls else (self.text, [])
-        message = {"role": "assistant", "content": content}
+        thinking, answer = split(self.text, self.reasoning) if self.reasoning is not None else (None, self.text)
+        content, calls = tool_calls.parse(answer or "") if self.parse_tool_calls else (answer, [])
+        message = {"role": "assistant", "content": content if content or self.reasoning is None else None}
+        if self.reasoning is not None and self.show_reasoning:
+            message |= reasoning_fields(thinking)
         finish_reason = self.finish_reason
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_call_list(calls)]
@@ -97,6 +103,11 @@ class Choice:
             if prompt_token_ids is not None:
                 choice["prompt_token_ids"] = prompt_token_ids
         return choice
+
+
+def reasoning_fields(text: str | None) -> dict:
+    """A message's or delta's reasoning, under vLLM's name and the one DeepSeek's API and older vLLMs use."""
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def vllm_prompt_logprobs(scores: list[TokenLogprob]) -> list[dict | None]:
@@ -134,6 +145,8 @@ class StreamedChoice:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_token_ids: list[int] | None = None  # return_token_ids: ids not yet sent ([]: asked, None: not)
     prompt_token_ids: list[int] | None = None  # return_token_ids, completions: sent with the choice's first chunk
+    reasoning: ReasoningSplitter | None = None  # the app's reasoning parser: thinking streams apart from the answer
+    show_reasoning: bool = True  # include_reasoning
 
     def score_prompt(self, entries: list[TokenLogprob]) -> None:
         """Echo with logprobs: the prompt's scores lead this choice's first chunk."""
@@ -143,17 +156,25 @@ class StreamedChoice:
     def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
                token_ids: list[int] | None = None) -> list[dict]:
         """The chunk choices this delta makes (none while held back, unless it starts or ends the choice)."""
-        self.text += text
         self.pending_logprobs += logprobs or []
         if token_ids is not None and self.pending_token_ids is not None:
             self.pending_token_ids += token_ids
+        out = []
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.feed(text)
+            if finish_reason is not None:
+                more_thinking, more_text = self.reasoning.finish()
+                thinking, text = thinking + more_thinking, text + more_text
+            if thinking and self.show_reasoning:
+                out.append(self._choice(thinking, None, logprobs=logprobs is not None, field="reasoning"))
+        self.text += text
         visible = tool_calls.safe_content_length(self.text) if self.parse_tool_calls else len(self.text)
         if finish_reason is not None:
-            return self._final(finish_reason)
-        if visible > self.sent or not self.started:
+            return out + self._final(finish_reason)
+        if visible > self.sent or not (self.started or out):
             new, self.sent = self.text[self.sent:visible], max(self.sent, visible)
-            return [self._choice(new, None, logprobs=logprobs is not None)]
-        return []
+            out.append(self._choice(new, None, logprobs=logprobs is not None))
+        return out
 
     def _final(self, finish_reason: str) -> list[dict]:
         held = self.text[self.sent:]
@@ -168,7 +189,7 @@ class StreamedChoice:
                     "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason})
         return out
 
-    def _choice(self, text: str, finish_reason: str | None, logprobs: bool) -> dict:
+    def _choice(self, text: str, finish_reason: str | None, logprobs: bool, field: str = "content") -> dict:
         entries, self.pending_logprobs = self.pending_logprobs, []
         first, self.started = not self.started, True
         if not self.chat:
@@ -181,7 +202,8 @@ class StreamedChoice:
             if first and self.prompt_token_ids is not None:
                 choice["prompt_token_ids"] = self.prompt_token_ids
             return choice
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        delta = {"content": text} if field == "content" else reasoning_fields(text)
+        delta = {"role": "assistant", **delta} if first else (delta if text else {})
         lp = chat_logprobs(entries) if logprobs and entries else None
         return self._ids({"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
 

@@ -15,10 +15,12 @@ FAILED_CODES = {"rate_limit_error": "rate_limit_exceeded", "invalid_request_erro
 
 
 def response_object(chat: dict, request: ResponsesRequest, response_id: str, model: str) -> dict:
-    """A whole chat completion as a response: its text as a message item, each tool call a function_call item."""
+    """A whole chat completion as a response: its reasoning (the app's reasoning parser) as a reasoning item, its
+    text as a message item, each tool call a function_call item."""
     choice = chat["choices"][0]
     message = choice["message"]
-    output = [_message_item(message["content"], "completed")] if message.get("content") else []
+    output = [_reasoning_item(message["reasoning"], "completed")] if message.get("reasoning") else []
+    output += [_message_item(message["content"], "completed")] if message.get("content") else []
     output += [_call_item(call, "completed") for call in message.get("tool_calls") or ()]
     return _response(response_id, model, request, chat["created"], choice["finish_reason"], output, chat["usage"])
 
@@ -45,6 +47,16 @@ def _message_item(text: str, status: str) -> dict:
             "content": [_text_part(text)] if status == "completed" else []}
 
 
+def _reasoning_item(text: str, status: str) -> dict:
+    """OpenAI's reasoning item as open-weight models' raw thinking fills it: a reasoning_text part, no summary."""
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+            "content": [_reasoning_part(text)] if status == "completed" else []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -64,6 +76,8 @@ class _Events:
         self.output: list[dict] = []
         self.message: dict | None = None  # the open message item
         self.text = ""
+        self.thinking: dict | None = None  # the open reasoning item
+        self.thinking_text = ""
         self.finish_reason: str | None = None
         self.usage: dict | None = None
 
@@ -83,21 +97,24 @@ class _Events:
             self.usage = chunk["usage"]
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
+                events += self._close_reasoning()
                 events += self._open_message()
                 self.text += delta["content"]
                 events.append(self.event("response.output_text.delta", item_id=self.message["id"],
                                          output_index=len(self.output) - 1, content_index=0,
                                          delta=delta["content"], logprobs=[]))
             for call in delta.get("tool_calls") or ():
-                events += self._close_message()
+                events += self._close_reasoning() + self._close_message()
                 events += self._call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return events
 
     def finish(self) -> list[bytes]:
-        events = self._close_message()
+        events = self._close_reasoning() + self._close_message()
         response = self.response(self.finish_reason or "stop")
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return events + [self.event(kind, response=response)]
@@ -110,6 +127,28 @@ class _Events:
                     "error": {"code": FAILED_CODES.get(body.get("type"), "server_error"), "message": message}}
         return [self.event("error", code=body.get("code") or body.get("type"), message=message, param=param),
                 self.event("response.failed", response=response)]
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        """Reasoning text as it streams, in a reasoning item opened by its first delta."""
+        events = []
+        if self.thinking is None:
+            self.thinking = _reasoning_item("", "in_progress")
+            self.output.append(self.thinking)
+            events.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                     item=dict(self.thinking)))
+        self.thinking_text += text
+        return events + [self.event("response.reasoning_text.delta", item_id=self.thinking["id"],
+                                    output_index=self.output.index(self.thinking), content_index=0, delta=text)]
+
+    def _close_reasoning(self) -> list[bytes]:
+        if self.thinking is None:
+            return []
+        index, item_id, text = self.output.index(self.thinking), self.thinking["id"], self.thinking_text
+        self.thinking.update(status="completed", content=[_reasoning_part(text)])
+        self.thinking = None
+        return [self.event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                           text=text),
+                self.event("response.output_item.done", output_index=index, item=self.output[index])]
 
     def _open_message(self) -> list[bytes]:
         if self.message is not None:

@@ -109,3 +109,27 @@ def test_the_front_ends_checker_refuses_exactly_what_the_core_cannot_compile(llm
             outcomes.append(exc.param)
     assert outcomes[0] == outcomes[1], outcomes
     assert not compiler.is_compiled(spec) if outcomes[1] else compiler.is_compiled(spec)
+
+
+@pytest.mark.parametrize("settings", [{}, {"async_scheduling": True},
+                                      {"speculative": {"num_speculative_tokens": 3}}], ids=["sync", "async", "drafts"])
+def test_a_constraint_after_given_tokens_leaves_the_output_free_until_them(llm32, settings):
+    """constrain_after (a reasoning model's end of thinking): the output is the model's own up to and including
+    those tokens, then keeps to the constraint; under async scheduling and drafts too, which must not run a row
+    ahead of its mask."""
+    from engine import LLM
+
+    llm = llm32 if not settings else LLM(dtype="float32", num_kv_blocks=128, **settings)
+    free = SamplingParams(max_tokens=8, temperature=0.0)
+    (alone,) = llm.chat([PLAIN], free, use_tqdm=False)
+    marker = tuple(alone.token_ids[2:4])  # the model's own 3rd and 4th tokens stand for "</think>"
+    digits = StructuredOutput(regex="[0-9]{3}")
+    after = SamplingParams(max_tokens=20, temperature=0.0, structured_output=digits, constrain_after=marker)
+    at_once = SamplingParams(max_tokens=20, temperature=0.0, structured_output=digits)
+    (waited, immediate) = llm.chat([PLAIN, PLAIN], [after, at_once], use_tqdm=False)
+    assert waited.token_ids[:4] == alone.token_ids[:4]
+    tail = llm.inputs.tokenizer.decode(waited.token_ids[4:])
+    assert re.fullmatch("[0-9]{3}", tail) and waited.finish_reason == "stop", (waited.text, tail)
+    assert re.fullmatch("[0-9]{3}", immediate.text)
+    with pytest.raises(EngineInputError, match="constrain_after"):
+        SamplingParams(constrain_after=(1, -2))
