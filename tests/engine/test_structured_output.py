@@ -120,16 +120,20 @@ def test_a_constraint_after_given_tokens_leaves_the_output_free_until_them(llm32
     from engine import LLM
 
     llm = llm32 if not settings else LLM(dtype="float32", num_kv_blocks=128, **settings)
+    prompt = "one two three four five " * 4 + "one two"  # repeats: n-gram drafts propose its continuation
     free = SamplingParams(max_tokens=8, temperature=0.0)
-    (alone,) = llm.chat([PLAIN], free, use_tqdm=False)
+    (alone,) = llm.generate([prompt], free, use_tqdm=False)
     marker = tuple(alone.token_ids[2:4])  # the model's own 3rd and 4th tokens stand for "</think>"
     digits = StructuredOutput(regex="[0-9]{3}")
     after = SamplingParams(max_tokens=20, temperature=0.0, structured_output=digits, constrain_after=marker)
     at_once = SamplingParams(max_tokens=20, temperature=0.0, structured_output=digits)
-    (waited, immediate) = llm.chat([PLAIN, PLAIN], [after, at_once], use_tqdm=False)
-    assert waited.token_ids[:4] == alone.token_ids[:4]
+    drafted = llm.engine.stats().spec_draft_tokens
+    (waited, immediate) = llm.generate([prompt, prompt], [after, at_once], use_tqdm=False)
+    assert waited.error is None and waited.token_ids[:4] == alone.token_ids[:4]
     tail = llm.inputs.tokenizer.decode(waited.token_ids[4:])
     assert re.fullmatch("[0-9]{3}", tail) and waited.finish_reason == "stop", (waited.text, tail)
     assert re.fullmatch("[0-9]{3}", immediate.text)
+    if "speculative" in settings:
+        assert drafted > 0  # unconstrained, this prompt's output is drafted: the waiting row would be too
     with pytest.raises(EngineInputError, match="constrain_after"):
         SamplingParams(constrain_after=(1, -2))
