@@ -426,7 +426,7 @@ class NamedToolChoice(BaseModel):
 UNSUPPORTED_CHAT_FIELDS = {
     "audio": "audio output", "modalities": "output modalities other than text", "prediction": "predicted outputs",
     "functions": "the deprecated functions field (use tools)", "function_call": "the deprecated function_call (use tool_choice)",
-    "web_search_options": "web search", "reasoning_effort": "reasoning effort (the model does not reason)",
+    "web_search_options": "web search", "reasoning_effort": "reasoning effort (a model thinks as its template says)",
     "verbosity": "verbosity", "store": "stored completions",
     # vLLM's chat extensions
     "echo": "echo in a chat (vLLM's: the last message prepended to the reply)",

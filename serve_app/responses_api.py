@@ -20,7 +20,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "conversation": ((None,), "conversations (nothing is stored)"),
     "background": ((None, False), "background responses"),
     "include": ((None, []), "include (no reasoning, search or logprob extras)"),
-    "reasoning": ((None,), "reasoning options (the model does not reason)"),
+    "reasoning": ((None,), "reasoning options (a model thinks as its template says; its thinking comes back with the app's reasoning_parser)"),
     "prompt": ((None,), "stored prompt templates"),
     "max_tool_calls": ((None,), "max_tool_calls"),
     "top_logprobs": ((None, 0), "top_logprobs in a response"),

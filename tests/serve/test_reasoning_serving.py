@@ -1,0 +1,78 @@
+"""The app's reasoning parser (vLLM's --reasoning-parser) on the real app: a chat's thinking comes back apart from its
+answer, whole or streamed, in the Responses API as a reasoning item, and left out with include_reasoning false; a
+constraint waits for the end of the thinking. SmolLM2 does not think, so a regex makes it write a think block: the
+prompt closes one of its own (reasoning ended there), so the constraint applies from the first token."""
+import json
+import re
+
+import httpx
+import pytest
+
+from tests.serve.conftest import whole_app
+
+pytestmark = pytest.mark.slow
+FORCED = "<think>[a-z]{3,8}( [a-z]{3,8}){2,5}</think>[A-Z][a-z]{3,8}( [a-z]{3,8}){2,5}\\."
+MESSAGES = [{"role": "user", "content": "Here is how I think: <think>slowly</think> Now think about the sea."}]
+BODY = {"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "structured_outputs": {"regex": FORCED}}
+
+
+@pytest.fixture(scope="module")
+def app(serve_app):
+    with whole_app(serve_app, "reasoning", topology="colocated", reasoning_parser="deepseek_r1") as base:
+        yield base
+
+
+def post(base: str, auth: dict, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json=body, headers=auth, timeout=120)
+
+
+def streamed(base: str, auth: dict, body: dict) -> list[dict]:
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, headers=auth,
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_the_thinking_comes_back_apart_from_the_answer_whole_and_streamed(app, auth):
+    whole = post(app, auth, "/v1/chat/completions", BODY).json()
+    message = whole["choices"][0]["message"]
+    thinking, answer = message["reasoning"], message["content"]
+    assert re.fullmatch("[a-z]{3,8}( [a-z]{3,8}){2,5}", thinking) and message["reasoning_content"] == thinking, message
+    assert re.fullmatch("[A-Z][a-z]{3,8}( [a-z]{3,8}){2,5}\\.", answer), message
+    chunks = streamed(app, auth, BODY)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == thinking
+    assert "".join(d.get("content") or "" for d in deltas) == answer
+    kinds = [("reasoning" if d.get("reasoning") else "content") for d in deltas if d.get("reasoning") or d.get("content")]
+    assert kinds == sorted(kinds, key=lambda k: k != "reasoning") and len(set(kinds)) == 2  # all thinking first
+    hidden = post(app, auth, "/v1/chat/completions", {**BODY, "include_reasoning": False}).json()["choices"][0]["message"]
+    assert "reasoning" not in hidden and hidden["content"] == answer
+    hidden_deltas = [c["choices"][0]["delta"] for c in streamed(app, auth, {**BODY, "include_reasoning": False})
+                     if c["choices"]]
+    assert not any("reasoning" in d for d in hidden_deltas)
+    assert "".join(d.get("content") or "" for d in hidden_deltas) == answer
+
+
+def test_the_responses_api_gives_a_reasoning_item_before_the_message(app, auth):
+    body = {"input": MESSAGES[0]["content"], "max_output_tokens": 80, "temperature": 0,
+            "text": {"format": {"type": "text"}}, "structured_outputs": {"regex": FORCED}}
+    output = post(app, auth, "/v1/responses", body).json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"], output
+    thinking = output[0]["content"][0]
+    assert thinking["type"] == "reasoning_text" and re.fullmatch("[a-z]{3,8}( [a-z]{3,8}){2,5}", thinking["text"])
+    with httpx.stream("POST", app + "/v1/responses", json={**body, "stream": True}, headers=auth, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta"), kinds
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thinking["text"]
+    done = next(e for e in events if e["type"] == "response.completed")["response"]["output"]
+    assert [item["type"] for item in done] == ["reasoning", "message"] and done[0]["content"] == [thinking]
+
+
+def test_a_constraint_waits_for_the_end_of_the_thinking(app, auth):
+    """Without a closed think block in the prompt, the model thinks first (DeepSeek-R1's template opened it): the
+    regex would bind its first token, but SmolLM2 never writes </think>, so the whole reply stays free thinking."""
+    body = {"messages": [{"role": "user", "content": "Describe the sea."}], "max_tokens": 24, "temperature": 0,
+            "structured_outputs": {"regex": "[0-9]{3}"}}
+    message = post(app, auth, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert message["content"] is None and len(message["reasoning"]) > 20 and not re.search("[0-9]{3}", message["reasoning"])
