@@ -225,8 +225,9 @@ class Ingress:
         tokens = sum(c.completion_tokens for c in choices)
         shown = sum(cached for _, cached in results) if self._shows_cached_tokens(body) else None
         prompt_tokens = sum(admitted.prompt_tokens for admitted, _ in results)
+        thinking = sum(c.reasoning_tokens for c in choices) if fmt is not None else None
         response = completion_body(request_id, self._model_name(body.model), choices, chat,
-                                   usage(prompt_tokens, tokens, shown), created)
+                                   usage(prompt_tokens, tokens, shown, thinking), created)
         if chat and body.return_token_ids:  # vLLM's place for a chat's prompt ids; completions' are per choice
             response["prompt_token_ids"] = results[0][0].prompt_token_ids
         if chat and body.prompt_logprobs is not None:  # vLLM's place for a chat's; completions' are per choice
@@ -313,7 +314,7 @@ class Ingress:
                         choice.prefix_logprobs = delta.prompt_logprobs if job.echo else None
                         choice.prompt_scores = None if job.echo else delta.prompt_logprobs
                 choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs,
-                                         delta.token_ids)
+                                         delta.token_ids, delta.reasoning_tokens)
                 cached_tokens = delta.cached_tokens if delta.index == 0 else cached_tokens
             return admitted, cached_tokens
         except BaseException:
@@ -342,9 +343,11 @@ class Ingress:
                       prompt_token_ids: list[int] | None, model: str):
         tokens = [0] * len(choices)
         cached = [0] * (len(choices) // n)  # each prompt's cached tokens, as its first choice reports them
+        thinking = [0] * len(choices) if choices and choices[0].reasoning is not None else None
 
         def usage_so_far() -> dict:
-            return usage(prompt_tokens, sum(tokens), sum(cached) if shows_cached_tokens else None)
+            return usage(prompt_tokens, sum(tokens), sum(cached) if shows_cached_tokens else None,
+                         sum(thinking) if thinking is not None else None)
 
         deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
         try:
@@ -357,6 +360,8 @@ class Ingress:
                     raise _generation_failed(delta)
                 first = job * n
                 tokens[first + delta.index] = delta.completion_tokens
+                if thinking is not None and delta.reasoning_tokens is not None:
+                    thinking[first + delta.index] = delta.reasoning_tokens
                 if delta.index == 0:
                     cached[job] = delta.cached_tokens
                 if delta.prompt_logprobs is not None:

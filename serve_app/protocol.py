@@ -98,6 +98,7 @@ class Delta:
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: every choice's, on the request's first delta
     error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
     token_ids: list[int] | None = None  # the new tokens' ids, when the job asks for them
+    reasoning_tokens: int | None = None  # with the job's reasoning format, on the choice's last delta: its thinking's
 
 
 @dataclass

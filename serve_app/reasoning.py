@@ -90,3 +90,15 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def reasoning_token_count(output_ids: list[int], fmt: ReasoningFormat, start_ids: list[int], end_ids: list[int]) -> int:
+    """The output's tokens inside its reasoning section, markers left out (vLLM's usage.completion_tokens_details)."""
+    begin = len(start_ids) if output_ids[: len(start_ids)] == list(start_ids) else None
+    if begin is None and not fmt.opened_by_template:
+        return 0
+    begin = begin or 0
+    for at in range(begin, len(output_ids) - len(end_ids) + 1):
+        if output_ids[at : at + len(end_ids)] == list(end_ids):
+            return at - begin
+    return len(output_ids) - begin

@@ -24,6 +24,7 @@ from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
 from serve_app.protocol import Admitted, Delta, EmbeddingJob, Embeddings, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob, Tokens
 from serve_app.metrics import RaySink
+from serve_app.reasoning import ReasoningFormat, reasoning_token_count
 
 log = logging.getLogger("ray.serve")
 
@@ -47,6 +48,7 @@ class EngineReplica:
         # a scored prompt's thousands of entries are formatted on the tokenizer thread, with the tokenizer that thread
         # already uses for prompts (the front end's input half is only ever called there with text)
         self._scoring_texts = TokenTexts(self.frontend.inputs.tokenizer)
+        self._reasoning_markers: dict[ReasoningFormat, tuple[list[int], list[int]]] = {}  # token ids of <think>, </think>
         self.frontend.warm_up()  # first-call costs stay out of user latency
         self.frontend.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.frontend.start()
@@ -81,9 +83,11 @@ class EngineReplica:
         """With a reasoning parser, a constraint (response_format, a forced tool call) waits for the end of the
         reasoning, as vLLM's does: unless the prompt already closed it (Qwen3's template with thinking off)."""
         fmt, params = job.reasoning, job.params
+        tokenizer = self.frontend.inputs.tokenizer
+        if fmt is not None and fmt not in self._reasoning_markers:  # for the usage's reasoning tokens
+            self._reasoning_markers[fmt] = tuple(tokenizer.encode(m, add_special_tokens=False) for m in (fmt.start, fmt.end))
         if fmt is None or params.structured_output is None:
             return params
-        tokenizer = self.frontend.inputs.tokenizer
         text = tokenizer.decode(token_ids)
         if text.rfind(fmt.end) > text.rfind(fmt.start):
             return params
@@ -236,9 +240,13 @@ class EngineReplica:
             texts = _token_id_text if job.return_tokens_as_token_ids else self._token_texts
             logprobs = [_token_logprob(texts, token, entry, top_logprobs)
                         for token, entry in zip(last.token_ids_since(sent_tokens), last.logprobs[sent_tokens:])]
+        thinking = None
+        if job.reasoning is not None and last.finished:
+            thinking = reasoning_token_count(last.token_ids, job.reasoning, *self._reasoning_markers[job.reasoning])
         return Delta(index, text, last.num_tokens, last.finish_reason, last.error, logprobs, last.num_cached_tokens,
                      error_param=last.error_param,
-                     token_ids=list(last.token_ids_since(sent_tokens)) if job.return_token_ids else None)
+                     token_ids=list(last.token_ids_since(sent_tokens)) if job.return_token_ids else None,
+                     reasoning_tokens=thinking)
 
     @staticmethod
     def _prompt_logprobs(output: RequestOutput, top: int, texts) -> list[TokenLogprob]:

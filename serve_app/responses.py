@@ -13,11 +13,17 @@ from serve_app.protocol import TokenLogprob
 from serve_app.reasoning import ReasoningFormat, ReasoningSplitter, split
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage; `prompt_tokens_details` only where the cached count may be shown (None: not)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `prompt_tokens_details` only where the cached count may be shown (None: not),
+    `completion_tokens_details` where the app parses reasoning."""
     counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
               "total_tokens": prompt_tokens + completion_tokens}
-    return counts if cached_tokens is None else {**counts, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
@@ -62,10 +68,13 @@ class Choice:
     prompt_scores: list[TokenLogprob] | None = None  # vLLM's prompt_logprobs: completions give each choice them
     reasoning: ReasoningFormat | None = None  # the app's reasoning parser: chat replies' thinking apart
     show_reasoning: bool = True  # include_reasoning
+    reasoning_tokens: int = 0
 
     def add(self, text: str, completion_tokens: int, finish_reason: str | None,
-            logprobs: list[TokenLogprob] | None, token_ids: list[int] | None = None) -> None:
+            logprobs: list[TokenLogprob] | None, token_ids: list[int] | None = None,
+            reasoning_tokens: int | None = None) -> None:
         self.text += text
+        self.reasoning_tokens = reasoning_tokens if reasoning_tokens is not None else self.reasoning_tokens
         self.completion_tokens, self.finish_reason = completion_tokens, finish_reason
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs

@@ -38,7 +38,8 @@ def _response(response_id: str, model: str, request: ResponsesRequest, created: 
 def _usage(chat: dict) -> dict:
     cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": chat.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
             "total_tokens": chat["total_tokens"]}
 
 

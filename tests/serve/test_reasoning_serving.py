@@ -39,7 +39,10 @@ def test_the_thinking_comes_back_apart_from_the_answer_whole_and_streamed(app, a
     thinking, answer = message["reasoning"], message["content"]
     assert re.fullmatch("[a-z]{3,8}( [a-z]{3,8}){2,5}", thinking) and message["reasoning_content"] == thinking, message
     assert re.fullmatch("[A-Z][a-z]{3,8}( [a-z]{3,8}){2,5}\\.", answer), message
-    chunks = streamed(app, auth, BODY)
+    used = whole["usage"]
+    assert 0 < used["completion_tokens_details"]["reasoning_tokens"] < used["completion_tokens"], used
+    chunks = streamed(app, auth, {**BODY, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"] == used  # the stream counts the thinking the same
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning") or "" for d in deltas) == thinking
     assert "".join(d.get("content") or "" for d in deltas) == answer
@@ -56,7 +59,9 @@ def test_the_thinking_comes_back_apart_from_the_answer_whole_and_streamed(app, a
 def test_the_responses_api_gives_a_reasoning_item_before_the_message(app, auth):
     body = {"input": MESSAGES[0]["content"], "max_output_tokens": 80, "temperature": 0,
             "text": {"format": {"type": "text"}}, "structured_outputs": {"regex": FORCED}}
-    output = post(app, auth, "/v1/responses", body).json()["output"]
+    response = post(app, auth, "/v1/responses", body).json()
+    output = response["output"]
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
     assert [item["type"] for item in output] == ["reasoning", "message"], output
     thinking = output[0]["content"][0]
     assert thinking["type"] == "reasoning_text" and re.fullmatch("[a-z]{3,8}( [a-z]{3,8}){2,5}", thinking["text"])

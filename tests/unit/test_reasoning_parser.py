@@ -43,3 +43,14 @@ def test_reasoning_streams_before_the_end_marker_arrives():
     assert splitter.feed("step two </th") == ("step two ", "")  # what could begin </think> waits
     assert splitter.feed("ink>The") == ("", "The")
     assert splitter.feed(" answer") == ("", " answer")
+
+
+def test_reasoning_tokens_are_counted_between_the_markers():
+    from serve_app.reasoning import reasoning_token_count
+
+    start, end = [7], [8, 9]  # a two-token end marker
+    assert reasoning_token_count([7, 1, 2, 3, 8, 9, 4], PARSERS["qwen3"], start, end) == 3
+    assert reasoning_token_count([1, 2, 8, 9, 4], PARSERS["qwen3"], start, end) == 0  # qwen3 did not think
+    assert reasoning_token_count([1, 2, 8, 9, 4], PARSERS["deepseek_r1"], start, end) == 2  # the template opened it
+    assert reasoning_token_count([7, 1, 2, 8], PARSERS["deepseek_r1"], start, end) == 3  # cut off: all thinking
+    assert reasoning_token_count([], PARSERS["deepseek_r1"], start, end) == 0
