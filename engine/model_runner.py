@@ -4,8 +4,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Iterator
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +41,7 @@ class StepLogits:
     logits: torch.Tensor
     rows: list[int]
     prompt: list[PromptLogits]
-    pooled_seqs: list[Sequence] = dataclasses.field(default_factory=list)  # embedding requests that end now
+    pooled_seqs: list[Sequence] = field(default_factory=list)  # embedding requests that end now
     pooled: torch.Tensor | None = None  # [len(pooled_seqs), hidden]: each one's last prompt token's final hidden state
 
 

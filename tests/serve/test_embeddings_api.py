@@ -127,3 +127,11 @@ def test_each_field_gets_its_documented_outcome(base_url, auth, field, outcome):
     else:
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
         assert field in r.json()["error"]["message"], r.text
+
+
+def test_a_client_that_leaves_stops_its_embeddings(base_url, auth, replica_handle):
+    """2,048 passages are a minute of work here: a client gone after half a second leaves none of it running (the
+    autouse check then finds the replica idle with every block free within 10 s)."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/embeddings", json={"input": [TEXTS[2]] * 2048}, headers=auth, timeout=0.5)
+    assert replica_handle.stats.remote().result(timeout_s=10).engine.num_running > 0  # it had started

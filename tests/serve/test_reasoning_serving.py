@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from tests.serve.conftest import whole_app
+from tests.serve.conftest import ingress_only_app
 
 pytestmark = pytest.mark.slow
 FORCED = "<think>[a-z]{3,8}( [a-z]{3,8}){2,5}</think>[A-Z][a-z]{3,8}( [a-z]{3,8}){2,5}\\."
@@ -17,8 +17,10 @@ BODY = {"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "structured_ou
 
 
 @pytest.fixture(scope="module")
-def app(serve_app):
-    with whole_app(serve_app, "reasoning", topology="colocated", reasoning_parser="deepseek_r1") as base:
+def app(serve_app, replica_handle):
+    """An ingress with the parser in front of the session's engine replica (the replica defers constraints as the
+    ingress's jobs say)."""
+    with ingress_only_app(serve_app, replica_handle, "reasoning", reasoning_parser="deepseek_r1") as base:
         yield base
 
 
