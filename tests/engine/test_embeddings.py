@@ -12,6 +12,7 @@ from engine.cpu_kernels import have_compiler
 from tests.engine.helpers import assert_matches_hf, load_hf_model
 from tests.fixtures.tiny_models import TINY, random_checkpoint, synthetic_tokenizer, tiny_checkpoint, CONFIGS
 
+pytestmark = pytest.mark.slow  # a minute; on a GPU machine (`gpu or not slow`) only the cases marked gpu run
 TOLERANCE = 2e-4  # largest gap between the engine's and HF's unit vectors, fp32 (measured: ~1e-6)
 TEXTS = ["The capital of France is", "a", "Paged attention keeps the KV cache in blocks of sixteen tokens, " * 12,
          "Embeddings of a decoder model come from the last token.", "x " * 100]

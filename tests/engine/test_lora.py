@@ -16,6 +16,8 @@ from tests.engine.test_synthetic_models import varied_prompts
 from tests.fixtures.lora_adapters import make_adapter
 from tests.fixtures.tiny_models import TINY, synthetic_tokenizer, tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # over a minute; on a GPU machine (`gpu or not slow`) only the cases marked gpu run
+
 NEW_TOKENS = 16
 # name -> PEFT LoraConfig settings: every projection at rank 8, and attention's q and v only at rank 4 with rsLoRA's
 # scale (alpha / sqrt(r)), as adapters commonly come
