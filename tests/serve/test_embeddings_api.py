@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.engine.test_embeddings import TEXTS
+from tests.serve.conftest import wait_idle
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -129,9 +130,12 @@ def test_each_field_gets_its_documented_outcome(base_url, auth, field, outcome):
         assert field in r.json()["error"]["message"], r.text
 
 
-def test_a_client_that_leaves_stops_its_embeddings(base_url, auth, replica_handle):
-    """2,048 passages are a minute of work here: a client gone after half a second leaves none of it running (the
-    autouse check then finds the replica idle with every block free within 10 s)."""
+def test_a_client_that_leaves_stops_its_embeddings(base_url, auth, replica_handle, tokenizer):
+    """1,000 distinct inputs of 100 tokens are over a minute of work here: a client gone after two seconds leaves
+    none of it running; the replica is idle with every block free soon after, having computed a part only."""
+    before = wait_idle(replica_handle).engine.prompt_tokens
+    inputs = [f"{i} " + TEXTS[4] for i in range(1000)]  # distinct: none comes from the prefix cache
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/embeddings", json={"input": [TEXTS[2]] * 2048}, headers=auth, timeout=0.5)
-    assert replica_handle.stats.remote().result(timeout_s=10).engine.num_running > 0  # it had started
+        httpx.post(f"{base_url}/v1/embeddings", json={"input": inputs}, headers=auth, timeout=2)
+    computed = wait_idle(replica_handle).engine.prompt_tokens - before
+    assert 0 < computed < len(tokenizer.encode(inputs[0])) * len(inputs) / 4, computed
