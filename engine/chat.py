@@ -3,7 +3,7 @@
 Content may be a string or a list of text parts (joined with newlines, as vLLM does). Assistant turns may carry
 `tool_calls` with no content, and `tool` turns answer them. Templates that know tools get them natively; for the
 others (SmolLM2's among them) the tools go into the system prompt and calls and results are written in the Hermes
-format of engine/tool_calls.py.
+format of engine/tool_calls.py (or Llama 3's JSON calls, with ChatOptions.tool_format).
 """
 from __future__ import annotations
 
@@ -40,8 +40,11 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tool_format: str = "hermes"  # how tools and calls are written for a template that cannot render them
 
     def __post_init__(self) -> None:
+        if self.tool_format not in tool_calls.FORMATS:
+            raise EngineInputError(f"tool_format must be one of {', '.join(tool_calls.FORMATS)}", "tool_format")
         if self.add_generation_prompt and self.continue_final_message:
             raise EngineInputError("continue_final_message: cannot be set with add_generation_prompt (set that to "
                                    "false to continue the last message)", "continue_final_message")
@@ -100,9 +103,9 @@ def render(tokenizer, messages: Messages, tools: list[dict] | None = None, optio
     if "developer" not in template:  # OpenAI's newer name for the system role
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not ("tool_calls" in template and native_tools):
-        messages = [_as_plain_turn(m) for m in messages]
+        messages = [_as_plain_turn(m, options.tool_format) for m in messages]
     if tools and not native_tools:
-        messages = _with_tools_in_system_prompt(messages, tools)
+        messages = _with_tools_in_system_prompt(messages, tools, options.tool_format)
     try:
         return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
                                              add_generation_prompt=options.add_generation_prompt,
@@ -112,18 +115,18 @@ def render(tokenizer, messages: Messages, tools: list[dict] | None = None, optio
         raise EngineInputError(f"messages: the chat template cannot render them so: {exc}", "messages") from None
 
 
-def _as_plain_turn(message: dict) -> dict:
+def _as_plain_turn(message: dict, tool_format: str) -> dict:
     """A tool call or result as text, for templates that only render role and content."""
     if message.get("tool_calls"):
-        text = tool_calls.as_text(message["tool_calls"])
+        text = tool_calls.as_text(message["tool_calls"], tool_format)
         return {"role": "assistant", "content": f"{message['content']}\n{text}" if message["content"] else text}
     if message["role"] == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
     return {key: message[key] for key in ("role", "content", "name") if message.get(key) is not None}
 
 
-def _with_tools_in_system_prompt(messages: Messages, tools: list[dict]) -> Messages:
-    prompt = tool_calls.system_prompt(tools)
+def _with_tools_in_system_prompt(messages: Messages, tools: list[dict], tool_format: str) -> Messages:
+    prompt = tool_calls.system_prompt(tools, tool_format)
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]

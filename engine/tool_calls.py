@@ -1,4 +1,5 @@
-"""Tool calls in the Hermes format that Qwen2.5, Hermes and many fine-tunes emit:
+"""Tool calls in the Hermes format that Qwen2.5, Hermes and many fine-tunes emit (vLLM's `hermes` parser; each part
+takes `fmt="llama3_json"` for Llama 3's format, engine/llama3_tool_calls.py):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -13,10 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from engine import llama3_tool_calls
 from engine.sampling_params import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ANY_OBJECT = {"type": "object"}
+
+
+FORMATS = ("hermes", "llama3_json")  # vLLM's --tool-call-parser names
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,10 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
 
 
-def system_prompt(tools: list[dict]) -> str:
+def system_prompt(tools: list[dict], fmt: str = "hermes") -> str:
     """The tools and the call format, for a chat template that cannot render `tools` itself."""
+    if fmt == "llama3_json":
+        return llama3_tool_calls.system_prompt(tools)
     listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
     return ("You may call one or more functions to assist with the user query. You are provided with function "
             f"signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\n"
@@ -35,8 +42,10 @@ def system_prompt(tools: list[dict]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n' + CLOSE)
 
 
-def as_text(tool_calls: list[dict]) -> str:
+def as_text(tool_calls: list[dict], fmt: str = "hermes") -> str:
     """An assistant turn's OpenAI `tool_calls`, written the way the model is asked to write them."""
+    if fmt == "llama3_json":
+        return llama3_tool_calls.as_text(tool_calls)
     blocks = []
     for call in tool_calls:
         function = call["function"]
@@ -51,9 +60,11 @@ def as_text(tool_calls: list[dict]) -> str:
     return "\n".join(blocks)
 
 
-def grammar(tools: list[dict], only: str | None = None, parallel: bool = True) -> str:
+def grammar(tools: list[dict], only: str | None = None, parallel: bool = True, fmt: str = "hermes") -> str:
     """A Lark grammar (llguidance's dialect) whose every output is one call (or, with `parallel`, several) to
     `only` or to any of `tools`, with arguments valid against the function's JSON schema."""
+    if fmt == "llama3_json":
+        return llama3_tool_calls.grammar(tools, only, parallel)
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
@@ -66,9 +77,12 @@ def grammar(tools: list[dict], only: str | None = None, parallel: bool = True) -
             f"call: %json {json.dumps(schema)}\n")
 
 
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse(text: str, fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a model's output: the text before the first call is the content (None if blank). Output
     with no well-formed call is all content, with no calls."""
+    if fmt == "llama3_json":
+        content, calls = llama3_tool_calls.parse(text)
+        return content, [ToolCall(name, arguments) for name, arguments in calls]
     calls = []
     for block in _blocks(text):
         try:
@@ -99,9 +113,11 @@ def _blocks(text: str):
         start = closing + len(CLOSE)
 
 
-def safe_content_length(text: str) -> int:
+def safe_content_length(text: str, fmt: str = "hermes") -> int:
     """How much of streamed text is surely content: everything before a call's opening tag, or before a suffix that
     could still grow into one. The rest is held back until the output is complete."""
+    if fmt == "llama3_json":
+        return llama3_tool_calls.safe_content_length(text)
     if OPEN in text:
         return text.index(OPEN)
     for keep in range(min(len(OPEN) - 1, len(text)), 0, -1):

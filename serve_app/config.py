@@ -24,6 +24,10 @@ class AppArgs(BaseModel):
     # the engine: every EngineConfig knob, set under `engine_config:` in a Serve config
     engine_config: EngineConfig = Field(default_factory=lambda: EngineConfig(**SERVING_ENGINE_DEFAULTS))
     served_model_name: str | None = None
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(default="hermes", description=(
+        "vLLM's --tool-call-parser: the format tool calls are parsed from, forced in, and described in for a chat "
+        "template that cannot render tools: hermes (<tool_call> tags: Qwen2.5, Hermes, SmolLM2) or llama3_json "
+        "(a bare {\"name\", \"parameters\"} object: Llama 3.1-3.3)"))
     reasoning_parser: ReasoningParserName | None = Field(default=None, description=(
         "vLLM's --reasoning-parser: a reasoning model's thinking comes back as `reasoning` apart from its answer "
         "(deepseek_r1: the template opens <think>; qwen3: the model does, or not), and a constraint (response_format, "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -110,7 +111,7 @@ class Ingress:
         self._lora_name(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            options = body.chat_options()
+            options = dataclasses.replace(body.chat_options(), tool_format=self.args.tool_call_parser)
         except EngineInputError as exc:
             raise OpenAIError(400, str(exc), exc.param)
         tokens = await self._call(self.replica.tokenize(body.template_input(), tools, body.return_token_strs, options),
@@ -195,7 +196,8 @@ class Ingress:
         choices = [StreamedChoice(k * n + i, chat, parse_tools, admitted.prompt_text or "",
                                   pending_token_ids=[] if ids else None,
                                   prompt_token_ids=None if chat else admitted.prompt_token_ids,
-                                  reasoning=ReasoningSplitter(fmt) if fmt is not None else None, show_reasoning=show)
+                                  reasoning=ReasoningSplitter(fmt) if fmt is not None else None, show_reasoning=show,
+                                  tool_format=self.args.tool_call_parser)
                    for k, (_, admitted) in enumerate(started) for i in range(n)]
         stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
         return self._chunks(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
@@ -214,7 +216,8 @@ class Ingress:
         parse_tools = _offers_tools(body)
         created, n = int(time.time()), body.n
         fmt, show = self._reasoning(body, chat)
-        groups = [[Choice(k * n + i, chat, parse_tools, reasoning=fmt, show_reasoning=show) for i in range(n)]
+        groups = [[Choice(k * n + i, chat, parse_tools, reasoning=fmt, show_reasoning=show,
+                          tool_format=self.args.tool_call_parser) for i in range(n)]
                   for k in range(len(jobs))]
         results = await all_or_none([self._whole(job, group) for job, group in zip(jobs, groups)])
         for group, (admitted, _) in zip(groups, results):
@@ -467,8 +470,10 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name
     name the field."""
     tools = _offered_tools(body)
     try:
-        chat = body.chat_options() if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
-        return GenerationJob(request_id, prompt, _sampling_params(body, tools), body.n, body.cache_salt, tools,
+        chat = dataclasses.replace(body.chat_options(), tool_format=args.tool_call_parser) \
+            if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
+        return GenerationJob(request_id, prompt, _sampling_params(body, tools, args.tool_call_parser), body.n,
+                             body.cache_salt, tools,
                              echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
                              stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
                              return_token_ids=body.return_token_ids,
@@ -478,7 +483,7 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name
         raise OpenAIError(400, str(exc), exc.param)
 
 
-def _sampling_params(body: SamplingFields, tools: list[dict] | None) -> SamplingParams:
+def _sampling_params(body: SamplingFields, tools: list[dict] | None, tool_format: str) -> SamplingParams:
     return SamplingParams(
         max_tokens=body.requested_max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k if body.top_k is not None else -1, min_p=body.min_p, seed=body.seed, stop=body.stop,
@@ -489,14 +494,15 @@ def _sampling_params(body: SamplingFields, tools: list[dict] | None) -> Sampling
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
         prompt_logprobs=body.num_logprobs if body.scores_prompt_by_echo else body.prompt_logprobs,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
-        structured_output=_structured_output(body, tools))
+        structured_output=_structured_output(body, tools, tool_format))
 
 
-def _structured_output(body: SamplingFields, tools: list[dict] | None) -> StructuredOutput | None:
+def _structured_output(body: SamplingFields, tools: list[dict] | None, tool_format: str) -> StructuredOutput | None:
     """The constraint the request sets (response_format, structured_outputs or a guided_ field), or, when a tool
     call is forced (required or named), the grammar of one."""
     if isinstance(body, ChatCompletionRequest) and body.effective_tool_choice in ("required", "named"):
-        return StructuredOutput(grammar=tool_calls.grammar(tools, body.forced_function, body.parallel_tool_calls),
+        return StructuredOutput(grammar=tool_calls.grammar(tools, body.forced_function, body.parallel_tool_calls,
+                                                           tool_format),
                                 param="tools")
     return body.structured_output()
 

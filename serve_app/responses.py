@@ -69,6 +69,7 @@ class Choice:
     reasoning: ReasoningFormat | None = None  # the app's reasoning parser: chat replies' thinking apart
     show_reasoning: bool = True  # include_reasoning
     reasoning_tokens: int = 0
+    tool_format: str = "hermes"  # the app's tool-call parser
 
     def add(self, text: str, completion_tokens: int, finish_reason: str | None,
             logprobs: list[TokenLogprob] | None, token_ids: list[int] | None = None,
@@ -93,7 +94,7 @@ class Choice:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_scores)
             return self._with_ids(choice, self.prompt_token_ids)
         thinking, answer = split(self.text, self.reasoning) if self.reasoning is not None else (None, self.text)
-        content, calls = tool_calls.parse(answer or "") if self.parse_tool_calls else (answer, [])
+        content, calls = tool_calls.parse(answer or "", self.tool_format) if self.parse_tool_calls else (answer, [])
         message = {"role": "assistant", "content": content if content or self.reasoning is None else None}
         if self.reasoning is not None and self.show_reasoning:
             message |= reasoning_fields(thinking)
@@ -156,6 +157,7 @@ class StreamedChoice:
     prompt_token_ids: list[int] | None = None  # return_token_ids, completions: sent with the choice's first chunk
     reasoning: ReasoningSplitter | None = None  # the app's reasoning parser: thinking streams apart from the answer
     show_reasoning: bool = True  # include_reasoning
+    tool_format: str = "hermes"  # the app's tool-call parser
 
     def score_prompt(self, entries: list[TokenLogprob]) -> None:
         """Echo with logprobs: the prompt's scores lead this choice's first chunk."""
@@ -177,7 +179,7 @@ class StreamedChoice:
             if thinking and self.show_reasoning:
                 out.append(self._choice(thinking, None, logprobs=logprobs is not None, field="reasoning"))
         self.text += text
-        visible = tool_calls.safe_content_length(self.text) if self.parse_tool_calls else len(self.text)
+        visible = tool_calls.safe_content_length(self.text, self.tool_format) if self.parse_tool_calls else len(self.text)
         if finish_reason is not None:
             return out + self._final(finish_reason)
         if visible > self.sent or not (self.started or out):
@@ -188,7 +190,7 @@ class StreamedChoice:
     def _final(self, finish_reason: str) -> list[dict]:
         held = self.text[self.sent:]
         self.sent = len(self.text)
-        content, calls = tool_calls.parse(held) if self.parse_tool_calls else (held, [])
+        content, calls = tool_calls.parse(held, self.tool_format) if self.parse_tool_calls else (held, [])
         if not calls:
             return [self._choice(held, finish_reason, logprobs=True)]
         out = [self._choice(content or "", None, logprobs=True)] if content or not self.started else []

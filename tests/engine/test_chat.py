@@ -41,6 +41,19 @@ def test_tools_go_into_the_system_prompt_and_tool_turns_are_written_out(tokenize
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_llama3_json_tools_are_described_and_written_back_in_that_format(tokenizer):
+    messages = normalize([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}])
+    text = render(tokenizer, messages, [WEATHER], ChatOptions(tool_format="llama3_json"))
+    assert text.startswith("<|im_start|>system\nGiven the following functions") and "<tool_call>" not in text
+    assert '<|im_start|>assistant\n{"name": "get_weather", "parameters": {"city": "Oslo"}}<|im_end|>' in text
+    with pytest.raises(EngineInputError, match="tool_format"):
+        ChatOptions(tool_format="mistral")
+
+
 def test_the_developer_role_renders_as_system(tokenizer):
     assert render(tokenizer, normalize([{"role": "developer", "content": "x"}])).startswith("<|im_start|>system\nx")
 

@@ -37,15 +37,18 @@ def test_sampled_output_keeps_to_the_schema_too(llm32):
             assert out.text.startswith('{"name": "')
 
 
-def test_a_forced_tool_call_has_arguments_valid_for_its_function(llm32):
+@pytest.mark.parametrize("fmt", tool_calls.FORMATS)
+def test_a_forced_tool_call_has_arguments_valid_for_its_function(llm32, fmt):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
         "additionalProperties": False}}}]
     params = SamplingParams(max_tokens=40, temperature=0.0,
-                            structured_output=StructuredOutput(grammar=tool_calls.grammar(tools, "add")))
+                            structured_output=StructuredOutput(grammar=tool_calls.grammar(tools, "add", fmt=fmt)))
     (out,) = llm32.chat([[{"role": "user", "content": "What is 2 plus 3?"}]], params, use_tqdm=False)
-    _, (call,) = tool_calls.parse(out.text)
+    _, (call,) = tool_calls.parse(out.text, fmt)
     assert call.name == "add" and set(json.loads(call.arguments)) == {"a", "b"}
+    if fmt == "llama3_json":
+        assert out.text.startswith('{"name": "add", "parameters": {')
 
 
 EMAIL = r"[a-z]{1,8}@[a-z]{1,8}\.com"
