@@ -114,8 +114,9 @@ def test_truncation_and_the_limits_of_an_embedding_request(llm32, hf32):
     with pytest.raises(EngineInputError) as refused:
         llm32.embed([1] * (llm32.engine.max_model_len + 1), use_tqdm=False)
     assert refused.value.param == "input"
-    full, = llm32.embed([1] * llm32.engine.max_model_len, PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
-    assert len(full.prompt_token_ids) == min(llm32.engine.max_model_len, llm32.core.limits.kv_capacity_tokens)
+    short = LLM(dtype="float32", num_kv_blocks=64, max_model_len=200)  # -1 fills the context: a short one
+    full, = short.embed(ids * 2, PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert full.prompt_token_ids == (ids * 2)[-200:]
     with pytest.raises(EngineInputError) as refused:
         llm32.embed("hello", PoolingParams(dimensions=64), use_tqdm=False)
     assert refused.value.param == "dimensions" and "Matryoshka" in str(refused.value)
