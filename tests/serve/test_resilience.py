@@ -44,7 +44,7 @@ async def test_fifty_clients_cut_off_mid_stream_free_every_block(base_url, auth,
     _, seconds = await idle_within(replica_handle, 10)
     log.warning("blocks of 50 cut-off streams freed in %.3f s", seconds)
     async with httpx.AsyncClient(timeout=60) as client:
-        r = await client.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5}, headers=auth)
+        r = await client.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}, headers=auth)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
@@ -146,6 +146,7 @@ def test_zz_a_killed_engine_core_fails_only_its_requests_and_serve_replaces_the_
     assert saw_outage, "/health never reported the dead core"
     wait_healthy(base_url, timeout=300)
     log.warning("engine core killed; /health healthy again after %.1f s", time.monotonic() - killed_at)
-    r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5}, headers=auth, timeout=60)
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True},
+                   headers=auth, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     assert replica_handle.stats.remote().result(timeout_s=10).placement.replica_id != replica_id, "Serve replaced it"
