@@ -39,13 +39,13 @@ class InputProcessor:
                 pooling: PoolingParams | None = None) -> EngineRequest:
         """Validate and tokenize; EngineInputError names the field at fault. With `pooling`, an embedding request
         (no `params`: it samples nothing)."""
+        self._check_cache_salt(cache_salt)
+        self.check_lora_name(lora_name)
+        self._check_priority(priority)
         if pooling is not None:
             return self._embedding_request(request_id, prompt, pooling, arrival_time, cache_salt, priority, options,
                                            lora_name)
         params = params or SamplingParams()
-        self._check_cache_salt(cache_salt)
-        self.check_lora_name(lora_name)
-        self._check_priority(priority)
         self._check_token_ids(params)
         params = self._with_bad_words_tokenized(params)
         token_ids = self.truncated(self.tokenize(prompt, tools, options), params)
@@ -59,9 +59,6 @@ class InputProcessor:
     def _embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams, arrival_time: float | None,
                            cache_salt: str | None, priority: int, options: chat.ChatOptions,
                            lora_name: str | None) -> EngineRequest:
-        self._check_cache_salt(cache_salt)
-        self.check_lora_name(lora_name)
-        self._check_priority(priority)
         self.check_dimensions(pooling.dimensions)
         token_ids = self.truncated_for_embedding(self.tokenize(prompt, None, options), pooling)
         return EngineRequest(request_id, token_ids, EMBEDDING_PARAMS, 0,

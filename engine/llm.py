@@ -55,9 +55,7 @@ class LLM:
         """Each prompt's final output, in order. `priority`: one per prompt, under the priority policy (vLLM's);
         `lora_name`: the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's
         `lora_request`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run(prompts, params, use_tqdm, priority, lora_name=lora_name)
+        return self._run(_as_batch(prompts), params, use_tqdm, priority, lora_name=lora_name)
 
     def chat(self, conversations: list[Messages] | Messages,
              params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -75,9 +73,8 @@ class LLM:
               lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Each prompt's embedding (`.embedding`), in order, as vLLM's LLM.embed: the final hidden state of its last
         token, unit length by default (PoolingParams says otherwise)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run(prompts, None, use_tqdm, None, lora_name=lora_name, pooling=pooling_params or PoolingParams())
+        return self._run(_as_batch(prompts), None, use_tqdm, None, lora_name=lora_name,
+                         pooling=pooling_params or PoolingParams())
 
     def _run(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
              priority: list[int] | None, tools: list[dict] | None = None,
@@ -174,3 +171,8 @@ class LLM:
 
     def _die(self, reason: str) -> None:
         self._delivered.put(EngineDeadError(reason))
+
+
+def _as_batch(prompts: list[Prompt] | Prompt) -> list[Prompt]:
+    """A list of prompts, where one prompt (a text or a list of token ids) may stand for a batch of one."""
+    return [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts

@@ -20,7 +20,7 @@ from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
-from engine.chat import DEFAULT_OPTIONS
+from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.config import ADAPTER_NAME
 from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
@@ -111,7 +111,7 @@ class Ingress:
         self._lora_name(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            options = dataclasses.replace(body.chat_options(), tool_format=self.args.tool_call_parser)
+            options = _chat_options(body, self.args)
         except EngineInputError as exc:
             raise OpenAIError(400, str(exc), exc.param)
         tokens = await self._call(self.replica.tokenize(body.template_input(), tools, body.return_token_strs, options),
@@ -470,8 +470,7 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name
     name the field."""
     tools = _offered_tools(body)
     try:
-        chat = dataclasses.replace(body.chat_options(), tool_format=args.tool_call_parser) \
-            if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
+        chat = _chat_options(body, args) if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
         return GenerationJob(request_id, prompt, _sampling_params(body, tools, args.tool_call_parser), body.n,
                              body.cache_salt, tools,
                              echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
@@ -481,6 +480,11 @@ def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name
                              lora_name=lora_name, reasoning=reasoning)
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
+
+
+def _chat_options(body: ChatCompletionRequest | TokenizeRequest, args: AppArgs) -> ChatOptions:
+    """How the request's messages become the prompt: its own options, tools described in the app's call format."""
+    return dataclasses.replace(body.chat_options(), tool_format=args.tool_call_parser)
 
 
 def _sampling_params(body: SamplingFields, tools: list[dict] | None, tool_format: str) -> SamplingParams:

@@ -91,7 +91,7 @@ class EngineReplica:
         text = tokenizer.decode(token_ids)
         if text.rfind(fmt.end) > text.rfind(fmt.start):
             return params
-        return dataclasses.replace(params, constrain_after=tuple(tokenizer.encode(fmt.end, add_special_tokens=False)))
+        return dataclasses.replace(params, constrain_after=tuple(self._reasoning_markers[fmt][1]))
 
     def _enqueue(self, job: GenerationJob, tokenized: tuple[list[int], SamplingParams] | Refused
                  ) -> tuple[list[RequestStream], list[int]] | Refused:
