@@ -1,5 +1,5 @@
-"""Time to prefill one long prompt alone, by its length: the engine with its bf16 prefill kernel and on SDPA (the
-same engine, the kernel switched off between runs), against vLLM's CPU build on the same token ids, in one run.
+"""Time to prefill one long prompt alone, by its length: the engine with each bf16 prefill kernel this CPU runs (AMX
+tiles, AVX512-BF16) and on SDPA (the same engine, the kernel switched between runs), against vLLM's CPU build on the same token ids, in one run.
 Both sides prefill in chunks of the same size, prefix caching off, and produce one token.
 
 python benchmarks/long_prefill.py --lengths 256,1024,2048,4096,6144 --runs 3
@@ -21,6 +21,7 @@ from core_env import restart_as_served  # the sibling script
 from vllm_script import run_vllm_script  # the sibling script
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL
+from engine.cpu_kernels import build_kernels
 from engine.models import resolve_model_path
 
 cli = typer.Typer(add_completion=False)
@@ -31,12 +32,21 @@ def prompts_of(lengths: list[int], vocab: int) -> list[list[int]]:
     return [torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
 
 
+def prefill_kernels(chosen) -> dict:
+    """The C++ prefill kernels this CPU runs, the engine's choice first."""
+    if chosen is None:
+        return {}
+    kernels = build_kernels()
+    found = {"AMX kernel": kernels.paged_prefill_amx if kernels.has_amx_prefill() else None,
+             "AVX-512 kernel": kernels.paged_prefill}
+    return {name: op for name, op in found.items() if op is not None}
+
+
 def engine_seconds(prompts: list[list[int]], runs: int, dtype: str, chunk: int) -> dict[str, dict[int, list[float]]]:
-    """Runs alternate between the kernel and SDPA at each length, so both meet the machine in the same state."""
+    """Runs alternate between the kernels and SDPA at each length, so both meet the machine in the same state."""
     llm = LLM(dtype=dtype, max_num_batched_tokens=chunk, enable_prefix_caching=False,
               num_kv_blocks=-(-max(map(len, prompts)) // 16) + 8, max_model_len=max(map(len, prompts)) + 16)
-    kernel = llm.engine.runner.prefill_kernel
-    paths = {"kernel": kernel, "SDPA": None} if kernel is not None else {"SDPA": None}
+    paths = {**prefill_kernels(llm.engine.runner.prefill_kernel), "SDPA": None}
     params = SamplingParams(max_tokens=1, temperature=0.0)
     seconds: dict[str, dict[int, list[float]]] = {path: {} for path in paths}
     for ids in tqdm(prompts, desc="engine"):

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -34,10 +35,10 @@ namespace prefill {  // named: the kernels share one translation unit
 constexpr int kTile = 16;  // query rows of a tile, and keys of a step
 constexpr float kMasked = -1e30f;     // finite: -ffast-math assumes no infinities
 
-// e^x for x <= 0: 2^n * 2^f with f in [-0.5, 0.5] by its Taylor series to degree 6 (relative error ~1e-7);
-// x is clamped at -87, where e^x is already below the smallest normal float.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
+// 2^t for t <= 0 (and a little above): 2^n * 2^f with f in [-0.5, 0.5] by its Taylor series to degree 6 (relative
+// error ~1e-7); t is clamped at -125.5, where 2^t is already below the smallest normal float.
+inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-125.5f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.540353039338161e-4f);
@@ -49,6 +50,8 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+inline __m512 exp_nonpositive(__m512 x) { return exp2_nonpositive(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
 
 inline __m512 dot_pairs(__m512 acc, __m512i a, uint32_t pair) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
@@ -173,9 +176,18 @@ void attend_chunk(const Chunk& c, int64_t kv_heads) {
 // query [n, heads, D] bf16 (rows may be strided, as a view of the step's fused QKV); caches [kv_heads, num_blocks,
 // block_size, D] with the chunk's K/V already written; block_table: the sequence's blocks; context_len: its tokens
 // once this chunk is in. -> [n, heads, D]
-at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                         int64_t context_len, double scale) {
 #if defined(__AVX512BF16__)
+namespace prefill {
+
+// The checked arguments of one chunk, with the tensors its pointers point into (shared with the AMX kernel).
+struct CheckedChunk {
+  at::Tensor table, out;
+  Chunk chunk;
+  int64_t kv_heads, head_dim;
+};
+
+inline CheckedChunk checked_chunk(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, int64_t context_len, double scale) {
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "paged_prefill takes bf16 queries and a bf16 pool");
   TORCH_CHECK(query.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous(), "a contiguous CPU pool");
@@ -183,22 +195,31 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cach
   const int64_t n = query.size(0), heads = query.size(1), head_dim = query.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged_prefill has head_dim 64 and 128, not ", head_dim);
-  TORCH_CHECK(heads % kv_heads == 0 && block_size % prefill::kTile == 0 && k_cache.size(3) == head_dim, "pool geometry");
+  TORCH_CHECK(heads % kv_heads == 0 && block_size % kTile == 0 && k_cache.size(3) == head_dim, "pool geometry");
   TORCH_CHECK(n >= 1 && context_len >= n, "a chunk of ", n, " tokens in a context of ", context_len);
   auto table = block_table.to(at::kLong).contiguous();
   // paged_attention_cpu.cpp's check, on this one table and length
   check_block_tables(table.data_ptr<int64_t>(), table.numel(), &context_len, 1, num_blocks, block_size);
-  const int64_t* ids = table.data_ptr<int64_t>();
   auto out = at::empty({n, heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
-  const prefill::Chunk chunk{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), n, heads,
+  const Chunk chunk{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), n, heads,
                     heads / kv_heads, context_len, block_size, num_blocks,
                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), ids, static_cast<float>(scale),
-                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table.data_ptr<int64_t>(),
+                    static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+  return {table, out, chunk, kv_heads, head_dim};
+}
+
+}  // namespace prefill
+#endif
+
+at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                         int64_t context_len, double scale) {
+#if defined(__AVX512BF16__)
+  auto checked = prefill::checked_chunk(query, k_cache, v_cache, block_table, context_len, scale);
   ReleaseGil no_gil;
-  if (head_dim == 64) prefill::attend_chunk<64>(chunk, kv_heads);
-  else prefill::attend_chunk<128>(chunk, kv_heads);
-  return out;
+  if (checked.head_dim == 64) prefill::attend_chunk<64>(checked.chunk, checked.kv_heads);
+  else prefill::attend_chunk<128>(checked.chunk, checked.kv_heads);
+  return checked.out;
 #else
   TORCH_CHECK(false, "paged_prefill needs AVX512-BF16; this build has none (has_bf16_prefill() is false)");
   return query;

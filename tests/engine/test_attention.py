@@ -126,13 +126,20 @@ def test_the_cpp_kernels_refuse_tables_and_positions_outside_their_buffers():
         fused.rotary_inplace(qkv, torch.tensor([0, 5, 16]), cos, sin, 4, 64)
 
 
-def bf16_prefill_kernel():
-    """The bf16 prefill kernel, or a skip where this CPU has no AVX512-BF16 (SDPA serves there)."""
+PREFILL_KERNELS = ["avx512_bf16", "amx"]
+
+
+def bf16_prefill_kernel(isa: str = "avx512_bf16"):
+    """A bf16 prefill kernel, or a skip where this CPU cannot run it (SDPA serves where neither runs)."""
     if not cpu_kernels.have_compiler():
         pytest.skip("no C++ compiler on this machine")
     kernels = cpu_kernels.build_kernels()
     if not kernels.has_bf16_prefill():
         pytest.skip("this CPU has no AVX512-BF16: prefill attention runs on SDPA")
+    if isa == "amx":
+        if not kernels.has_amx_prefill():
+            pytest.skip("this CPU has no AMX-BF16 tiles (or Linux refused them): the AVX512-BF16 kernel serves")
+        return kernels.paged_prefill_amx
     return kernels.paged_prefill
 
 
@@ -147,18 +154,20 @@ def reference_prefill(q, k_cache, v_cache, table, context_len, dtype=torch.float
                                           enable_gqa=True).transpose(0, 1).float()
 
 
+@pytest.mark.parametrize("isa", PREFILL_KERNELS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size,heads,kv_heads", [(16, 9, 3), (32, 8, 8), (16, 8, 1)])
-def test_the_bf16_prefill_kernel_matches_sdpa_over_cached_contexts(head_dim, block_size, heads, kv_heads):
-    """Chunks with and without a cached context, lengths off the 16-row tiles and 16-key steps, a shuffled block
-    table, and the query a strided view (rows of a fused QKV, as the native model passes it). The kernel's error
-    against fp32 is bounded by bf16 SDPA's own (its weights are rounded to bf16 as torch's flash kernel rounds them)."""
-    kernel = bf16_prefill_kernel()
+def test_the_bf16_prefill_kernels_match_sdpa_over_cached_contexts(isa, head_dim, block_size, heads, kv_heads):
+    """Chunks with and without a cached context, lengths off the 16-row tiles and the 16- and 32-key steps, a
+    context whose later keys sit in a lower block than its first (a shuffled table), and the query a strided view
+    (rows of a fused QKV, as the native model passes it). The kernel's error against fp32 is bounded by bf16 SDPA's
+    own (its weights are rounded to bf16 as torch's flash kernel rounds them)."""
+    kernel = bf16_prefill_kernel(isa)
     g = torch.Generator().manual_seed(head_dim + block_size + heads)
     num_blocks = 40
     k_cache, v_cache = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(torch.bfloat16)
                         for _ in range(2))
-    for n, context_len in [(1, 1), (7, 7), (16, 16), (37, 37), (1, 50), (5, 40), (100, 333), (256, 256)]:
+    for n, context_len in [(1, 1), (7, 7), (16, 16), (37, 37), (1, 50), (5, 40), (100, 333), (256, 256), (3, 600)]:
         table = torch.randperm(num_blocks, generator=g)[: -(-context_len // block_size)]
         fused = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=g).to(torch.bfloat16)
         q = fused[:, :heads]
@@ -170,8 +179,19 @@ def test_the_bf16_prefill_kernel_matches_sdpa_over_cached_contexts(head_dim, blo
         assert error <= 1.5 * sdpa_error + 2e-3, f"n {n}, context {context_len}: error {error:.4f}, SDPA's {sdpa_error:.4f}"
 
 
-def test_the_bf16_prefill_kernel_refuses_what_it_cannot_read():
-    kernel = bf16_prefill_kernel()
+def test_bf16_prefill_runs_on_amx_tiles_where_linux_grants_them():
+    """Where both kernels run, the engine takes the AMX one (4-5x the other on such CPUs); fp32 and other head sizes
+    keep SDPA."""
+    bf16_prefill_kernel()
+    amx = cpu_kernels.build_kernels().has_amx_prefill()
+    assert cpu_kernels.paged_prefill_op(torch.bfloat16, 64, 16).__name__ == ("paged_prefill_amx" if amx else "paged_prefill")
+    assert cpu_kernels.paged_prefill_op(torch.float32, 64, 16) is None
+    assert cpu_kernels.paged_prefill_op(torch.bfloat16, 96, 16) is None
+
+
+@pytest.mark.parametrize("isa", PREFILL_KERNELS)
+def test_the_bf16_prefill_kernels_refuse_what_they_cannot_read(isa):
+    kernel = bf16_prefill_kernel(isa)
     k, v = (c.to(torch.bfloat16) for c in random_pool(8, 64, torch.float32))
     q = torch.randn(20, HEADS, 64).to(torch.bfloat16)
     kernel(q, k, v, torch.tensor([0, 1]), 20, 0.125)  # in bounds

@@ -14,7 +14,7 @@ def test_the_served_engine_runs_with_the_settings_it_was_given(serve_app, replic
         "num_kv_blocks": 1024, "block_size": given.block_size,
         "enable_prefix_caching": True, "max_num_seqs": 64, "max_num_batched_tokens": given.max_num_batched_tokens,
         "long_prefill_token_threshold": given.long_prefill_token_threshold,
-        "max_model_len": 8192, "decode_kernel": True, "prefill_kernel": False,  # bf16 only
+        "max_model_len": 8192, "decode_kernel": True, "prefill_kernel": "",  # bf16 only
         "attention_backend": "cpp", "cuda_graphs": None, "async_scheduling": False, "device": "cpu", "lora_adapters": "",
     }
     assert (given.dtype, given.num_kv_blocks, given.max_num_seqs) == ("float32", 1024, 64)

@@ -1,0 +1,251 @@
+// Prefill attention on AMX tiles (Sapphire Rapids and later), with paged_prefill's contract. On these CPUs the
+// AVX512-BF16 kernel above ran at half of torch's SDPA (oneDNN's brgemm on AMX): its 2,048 `vdpbf16ps` per 16 x 16
+// scores are the bottleneck, where one `tdpbf16ps` does a 16 x 16 x 32 product.
+//
+// The chunk's context is packed first, once per KV head, into the layouts the tile products read (as vLLM's AMX
+// backend keeps its whole cache, here only for the chunk): keys as [16 dimension pairs][16 keys] tiles, values as
+// [16 key pairs][16 dimensions] tiles, padding keys zero. A work item is then 16 query rows ((position, query head)
+// pairs of one KV head, as in the AVX kernel) over steps of 32 keys: two score tiles by `tdpbf16ps`, an exact online
+// softmax row by row in AVX-512 (a row's running maximum in the log2 domain; its output row rescaled when the
+// maximum rises), the weights rounded to bf16 into one tile, and the output accumulated in fp32 memory by one product
+// per 16 output columns.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace amx_prefill {
+
+constexpr int kRows = 16;            // query rows of a work item: a tile's rows
+constexpr int kKeys = 32;            // keys of a step: the bf16 a tile row holds
+constexpr int kTileWords = 16 * 16;  // a 1 KB tile as 32-bit words
+// Tile registers. Macros, not constants: the intrinsics paste the number into the instruction's text.
+#define TILE_A 0             // queries, then weights
+#define TILE_B 1             // keys, then values
+#define TILE_SCORES 2        // keys 0-15 of a step
+#define TILE_SCORES_HIGH 3   // keys 16-31
+#define TILE_OUT 4
+constexpr int kTilesUsed = 5;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process the 8 KB tile state only once it asks (arch_prctl); oneDNN asks for its own use, not ours.
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < kTilesUsed; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  // gcc's _tile_loadconfig tells the compiler it reads 8 bytes, so the rows set above were dropped as dead stores
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// The chunk's context, packed for one KV head: steps of 32 keys, each D / 32 x 2 key tiles and D / 16 value tiles.
+template <int D>
+struct Packed {
+  uint32_t* base;
+  int64_t steps;
+  static constexpr int64_t kKeyTiles = 2 * (D / 32), kValueTiles = D / 16;
+  static constexpr int64_t kStepWords = (kKeyTiles + kValueTiles) * kTileWords;
+  // keys (16 * half .. 16 * half + 15) of a step, dimensions 32 * part .. 32 * part + 31
+  uint32_t* keys(int64_t kv_head, int64_t step, int half, int part) const {
+    return base + (kv_head * steps + step) * kStepWords + (half * (D / 32) + part) * kTileWords;
+  }
+  // the step's 32 keys, output dimensions 16 * part .. 16 * part + 15
+  uint32_t* values(int64_t kv_head, int64_t step, int part) const {
+    return base + (kv_head * steps + step) * kStepWords + (kKeyTiles + part) * kTileWords;
+  }
+};
+
+// 16 keys (one half of a step; block_size is a multiple of 16, so they lie in one block) into their tiles.
+template <int D>
+void pack_keys(const prefill::Chunk& c, const Packed<D>& p, int64_t kv_head, int64_t group) {
+  const int64_t key0 = group * 16, step = group / 2;
+  const int half = static_cast<int>(group % 2);
+  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, c.context_len - key0));
+  const __mmask16 real = static_cast<__mmask16>((1u << valid) - 1);
+  const uint32_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  if (valid > 0) {
+    const int64_t slot = c.table[key0 / c.block_size] * c.block_size + key0 % c.block_size;
+    const int64_t offset = (kv_head * c.num_blocks * c.block_size + slot) * D;
+    k = reinterpret_cast<const uint32_t*>(c.k_cache + offset);
+    v = c.v_cache + offset;
+  }
+  // key tile row w, lane j: the pair of dimensions (32 * part + 2w, + 1) of key j
+  const __m512i key_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(D / 2));
+  for (int part = 0; part < D / 32; ++part) {
+    uint32_t* tile = p.keys(kv_head, step, half, part);
+    for (int w = 0; w < 16; ++w) {
+      const __m512i pairs = valid > 0 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, key_rows,
+                                                                    k + part * 16 + w, 4)
+                                      : _mm512_setzero_si512();
+      _mm512_store_si512(tile + w * 16, pairs);
+    }
+  }
+  // value tile row 8 * half + i, lane n: dimension n of keys 2i (low half) and 2i + 1 (high half)
+  for (int part = 0; part < D / 16; ++part) {
+    uint32_t* tile = p.values(kv_head, step, part);
+    for (int i = 0; i < 8; ++i) {
+      const __m512i even = 2 * i < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                               reinterpret_cast<const __m256i*>(v + (2 * i) * D + part * 16)))
+                                         : _mm512_setzero_si512();
+      const __m512i odd = 2 * i + 1 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                  reinterpret_cast<const __m256i*>(v + (2 * i + 1) * D + part * 16)))
+                                            : _mm512_setzero_si512();
+      _mm512_store_si512(tile + (8 * half + i) * 16, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+  }
+}
+
+template <int D>
+struct Work {
+  alignas(64) uint16_t q[D / 32][kRows][32];  // the rows' queries, 32 dimensions a tile
+  alignas(64) float scores[kRows][kKeys];
+  alignas(64) uint16_t weights[kRows][kKeys];
+  alignas(64) float out[kRows][D];
+  alignas(64) float total[kRows][16];  // each row's sum of weights, lane-wise
+  float running_max[kRows];            // log2 domain
+  int32_t position[kRows];
+  uint16_t* row_out[kRows];            // nullptr: a padding row past the chunk
+};
+
+inline void scale_row(float* row, int64_t width, float factor) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (int64_t d = 0; d < width; d += 16) _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_load_ps(row + d), f));
+}
+
+// Scores of the step into weights (bf16) for the value product, updating each row's maximum, total and output.
+template <int D>
+void softmax_step(Work<D>& w, int64_t key0, float log2_scale, bool edge) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i low_keys = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(key0)));
+  const __m512i high_keys = _mm512_add_epi32(low_keys, _mm512_set1_epi32(16));
+  const __m512 scale = _mm512_set1_ps(log2_scale), masked = _mm512_set1_ps(prefill::kMasked);
+  for (int r = 0; r < kRows; ++r) {
+    __m512 low = _mm512_mul_ps(_mm512_load_ps(w.scores[r]), scale);
+    __m512 high = _mm512_mul_ps(_mm512_load_ps(w.scores[r] + 16), scale);
+    if (edge) {  // causal: a row sees keys up to its own position (padding keys lie past every row's)
+      const __m512i position = _mm512_set1_epi32(w.position[r]);
+      low = _mm512_mask_mov_ps(masked, _mm512_cmple_epi32_mask(low_keys, position), low);
+      high = _mm512_mask_mov_ps(masked, _mm512_cmple_epi32_mask(high_keys, position), high);
+    }
+    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
+    if (step_max > w.running_max[r]) {
+      const float rescale = _mm512_cvtss_f32(prefill::exp2_nonpositive(_mm512_set1_ps(w.running_max[r] - step_max)));
+      scale_row(w.out[r], D, rescale);
+      scale_row(w.total[r], 16, rescale);
+      w.running_max[r] = step_max;
+    }
+    const __m512 row_max = _mm512_set1_ps(w.running_max[r]);
+    low = prefill::exp2_nonpositive(_mm512_sub_ps(low, row_max));
+    high = prefill::exp2_nonpositive(_mm512_sub_ps(high, row_max));
+    _mm512_store_ps(w.total[r], _mm512_add_ps(_mm512_load_ps(w.total[r]), _mm512_add_ps(low, high)));
+    _mm512_store_si512(w.weights[r], (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+}
+
+template <int D>
+void attend_rows(const prefill::Chunk& c, const Packed<D>& p, int64_t kv_head, int64_t item, Work<D>& w) {
+  const int64_t rows = c.n * c.group, first = item * kRows, first_position = c.context_len - c.n;
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = std::min(first + r, rows - 1), token = row / c.group, head = kv_head * c.group + row % c.group;
+    const bool real = first + r < rows;
+    const uint16_t* q = c.q + token * c.q_stride + head * D;
+    for (int part = 0; part < D / 32; ++part)
+      _mm512_store_si512(w.q[part][r], real ? _mm512_loadu_si512(q + part * 32) : _mm512_setzero_si512());
+    w.row_out[r] = real ? c.out + (token * c.heads + head) * D : nullptr;
+    w.position[r] = static_cast<int32_t>(first_position + token);  // a padding row repeats the last real one
+    w.running_max[r] = prefill::kMasked;
+    for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(w.out[r] + d, _mm512_setzero_ps());
+    _mm512_store_ps(w.total[r], _mm512_setzero_ps());
+  }
+  const int64_t lowest = w.position[0], keys = w.position[kRows - 1] + 1;
+  const float log2_scale = c.scale * 1.4426950408889634f;
+  for (int64_t step = 0; step * kKeys < keys; ++step) {
+    _tile_zero(TILE_SCORES);
+    _tile_zero(TILE_SCORES_HIGH);
+    for (int part = 0; part < D / 32; ++part) {
+      _tile_loadd(TILE_A, w.q[part], 64);
+      _tile_loadd(TILE_B, p.keys(kv_head, step, 0, part), 64);
+      _tile_dpbf16ps(TILE_SCORES, TILE_A, TILE_B);
+      _tile_loadd(TILE_B, p.keys(kv_head, step, 1, part), 64);
+      _tile_dpbf16ps(TILE_SCORES_HIGH, TILE_A, TILE_B);
+    }
+    _tile_stored(TILE_SCORES, w.scores, kKeys * sizeof(float));
+    _tile_stored(TILE_SCORES_HIGH, &w.scores[0][16], kKeys * sizeof(float));
+    softmax_step<D>(w, step * kKeys, log2_scale, step * kKeys + kKeys - 1 > lowest);
+    _tile_loadd(TILE_A, w.weights, 64);
+    for (int part = 0; part < D / 16; ++part) {
+      _tile_loadd(TILE_OUT, &w.out[0][part * 16], D * sizeof(float));
+      _tile_loadd(TILE_B, p.values(kv_head, step, part), 64);
+      _tile_dpbf16ps(TILE_OUT, TILE_A, TILE_B);
+      _tile_stored(TILE_OUT, &w.out[0][part * 16], D * sizeof(float));
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    if (w.row_out[r] == nullptr) continue;
+    const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(w.total[r])));
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.row_out[r] + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(w.out[r] + d), inverse)));
+  }
+}
+
+// Pack every KV head's context, then hand out work items (16 rows of one KV head) costliest first, as the AVX kernel.
+template <int D>
+void attend_chunk(const prefill::Chunk& c, int64_t kv_heads) {
+  const int64_t steps = (c.context_len + kKeys - 1) / kKeys, groups = 2 * steps;
+  const at::Tensor buffer = at::empty({kv_heads * steps * Packed<D>::kStepWords * 4 + 64}, at::kByte);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+  const Packed<D> packed{reinterpret_cast<uint32_t*>((address + 63) & ~uintptr_t{63}), steps};
+  at::parallel_for(0, kv_heads * groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pack_keys<D>(c, packed, i / groups, i % groups);
+  });
+  const int64_t items_per_head = (c.n * c.group + kRows - 1) / kRows, items = items_per_head * kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    configure_tiles();
+    auto work = std::make_unique<Work<D>>();
+    for (int64_t item = next++; item < items; item = next++)
+      attend_rows<D>(c, packed, item % kv_heads, items_per_head - 1 - item / kv_heads, *work);
+    _tile_release();
+  });
+}
+
+}  // namespace amx_prefill
+#endif
+
+bool has_amx_prefill() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return amx_prefill::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+// paged_prefill's arguments and result, on AMX tiles.
+at::Tensor paged_prefill_amx(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                             int64_t context_len, double scale) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  TORCH_CHECK(amx_prefill::tiles_permitted(), "the kernel refused AMX tile state (arch_prctl)");
+  auto checked = prefill::checked_chunk(query, k_cache, v_cache, block_table, context_len, scale);
+  ReleaseGil no_gil;
+  if (checked.head_dim == 64) amx_prefill::attend_chunk<64>(checked.chunk, checked.kv_heads);
+  else amx_prefill::attend_chunk<128>(checked.chunk, checked.kv_heads);
+  return checked.out;
+#else
+  TORCH_CHECK(false, "paged_prefill_amx needs AMX-BF16; this build has none (has_amx_prefill() is false)");
+  return query;
+#endif
+}
