@@ -135,7 +135,7 @@ eval: model
 bench-peers: model $(PEERS)/.installed
 	$(PY) benchmarks/bench.py --vllm-python $(PEERS)/bin/python $(ARGS)
 
-# one long prompt alone, by length: the engine's prefill on its kernel and on SDPA, against vLLM's CPU build
+# one long prompt alone, by length: the engine's prefill on each of its kernels and on SDPA, against vLLM's CPU build
 bench-prefill: model $(PEERS)/.installed
 	$(PY) benchmarks/long_prefill.py --vllm-python $(PEERS)/bin/python $(ARGS)
 

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -19,7 +20,7 @@ from serve_app.aio import all_or_none
 from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
-from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
+from engine import EngineInputError, PoolingParams, SamplingParams, StructuredOutput, tool_calls
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.config import ADAPTER_NAME
 from engine.step_stats import freeze_gc_heap
@@ -27,8 +28,9 @@ from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                       StreamOptions, TokenizeRequest)
 from serve_app.protocol import Admitted, Delta, EmbeddingJob, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
-from serve_app import embeddings_api, responses_api, responses_api_output
+from serve_app import embeddings_api, responses_api, responses_api_output, score_api
 from serve_app.embeddings_api import EmbeddingRequest
+from serve_app.score_api import RerankRequest, ScoreRequest
 from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
                                  usage, vllm_prompt_logprobs)
 from serve_app.reasoning import PARSERS, ReasoningFormat, ReasoningSplitter
@@ -130,17 +132,39 @@ class Ingress:
 
     async def embed(self, body: EmbeddingRequest, request: Request) -> dict:
         """OpenAI's /v1/embeddings: each input's embedding from the model (or the adapter `model` names)."""
-        lora_name = self._lora_name(body.model)
         request_id = body.request_id or request.state.request_id
+        result = await self._embedded(request_id, body.model, body.inputs, None, body.pooling_params, body.priority)
+        return embeddings_api.response_body(request_id, self._model_name(body.model), result.vectors,
+                                            result.prompt_tokens, body.encoding_format, body.endianness)
+
+    async def score(self, body: ScoreRequest, request: Request) -> dict:
+        """vLLM's /v1/score: each text pair's cosine similarity of embeddings."""
+        request_id = request.state.request_id
+        result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority)
+        return score_api.score_body(request_id, self._model_name(body.model), score_api.pair_scores(
+            result.vectors, len(body.firsts)), result.prompt_tokens)
+
+    async def rerank(self, body: RerankRequest, request: Request) -> dict:
+        """vLLM's /v1/rerank (Cohere's and Jina's shape): documents by their similarity to the query, best first."""
+        request_id = request.state.request_id
+        result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority)
+        return score_api.rerank_body(request_id, self._model_name(body.model), body,
+                                     score_api.pair_scores(result.vectors, 1), result.prompt_tokens)
+
+    async def _embedded(self, request_id: str, model: str | None, inputs: list, sources: list | None,
+                        pooling: Callable[[], PoolingParams], priority: int):
+        """The embeddings of `inputs` from the model (or the adapter `model` names), in order; `sources`: each
+        input's field and name in errors, where the route calls them otherwise than /v1/embeddings; `pooling`: the
+        body's parameters, made here, where an error in them is the client's 400."""
+        lora_name = self._lora_name(model)
         try:
-            job = EmbeddingJob(request_id, body.inputs, body.pooling_params(), body.priority, lora_name)
+            job = EmbeddingJob(request_id, inputs, pooling(), priority, lora_name, sources)
         except EngineInputError as exc:
             raise OpenAIError(400, str(exc), exc.param)
         result = await self._call(self._retrying_lost_replicas(lambda: self.replica.embed(job)),
                                   self.args.request_timeout_s)
         self._raise_if_refused(result)
-        return embeddings_api.response_body(request_id, self._model_name(body.model), result.vectors,
-                                            result.prompt_tokens, body.encoding_format, body.endianness)
+        return result
 
     # -- one request ---------------------------------------------------------------------------------
 
@@ -560,6 +584,17 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
         return CompletionResponse(await ingress.embed(body, request))
+
+    @api.post("/score")
+    @api.post("/v1/score")
+    async def score(body: ScoreRequest, request: Request):
+        return CompletionResponse(await ingress.score(body, request))
+
+    @api.post("/rerank")
+    @api.post("/v1/rerank")
+    @api.post("/v2/rerank")
+    async def rerank(body: RerankRequest, request: Request):
+        return CompletionResponse(await ingress.rerank(body, request))
 
     @api.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

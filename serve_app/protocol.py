@@ -39,6 +39,9 @@ class EmbeddingJob:
     pooling: PoolingParams
     priority: int = 0
     lora_name: str | None = None
+    # each input's field and name in errors, where they are not the embeddings API's ("input", "input i"): e.g.
+    # ("documents", "documents 3") for the rerank route
+    sources: list[tuple[str, str]] | None = None
 
 
 @dataclass

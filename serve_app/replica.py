@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -220,6 +221,9 @@ class EngineReplica:
                 except EngineInputError as exc:
                     if exc.param not in ("prompt", "input"):
                         raise
+                    if job.sources is not None:  # another route's names for its texts
+                        field, name = job.sources[i]
+                        raise EngineInputError(re.sub(r"^(prompt|input)\b", name, str(exc)), field) from None
                     said = str(exc).replace("prompt", "input", 1)  # the embeddings API's name for it
                     raise EngineInputError(f"{said} (input {i})" if len(job.inputs) > 1 else said, "input") from None
         except EngineInputError as exc:

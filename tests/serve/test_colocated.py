@@ -43,6 +43,10 @@ def test_one_deployment_serves_what_the_split_app_serves(colocated, base_url, au
     together_vectors = httpx.post(base + "/v1/embeddings", json=embed, headers=auth, timeout=60).json()["data"]
     for one, other in zip(together_vectors, split_vectors, strict=True):  # fp32, batched as the steps fell
         assert max(abs(a - b) for a, b in zip(one["embedding"], other["embedding"], strict=True)) < 1e-4
+    rerank = {"query": "Name three colours.", "documents": ["Red", "Seven", "Blue and green"]}
+    split_ranks = httpx.post(base_url + "/v1/rerank", json=rerank, headers=auth, timeout=60).json()["results"]
+    together_ranks = httpx.post(base + "/v1/rerank", json=rerank, headers=auth, timeout=60).json()["results"]
+    assert [r["index"] for r in together_ranks] == [r["index"] for r in split_ranks]
     wait_idle(handle)
 
 

@@ -29,7 +29,7 @@ def test_no_generated_request_gets_a_server_error(serve_app, auth):
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                                   "/v1/models/{model}", "/tokenize", "/detokenize", "/health",
-                                                  "/v1/responses"}
+                                                  "/v1/responses", "/v1/embeddings", "/v1/score", "/v1/rerank"}
     for operation in operations:
 
         @given(case=operation.as_strategy())
