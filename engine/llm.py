@@ -18,6 +18,7 @@ from engine.errors import EngineDeadError, EngineInputError
 from engine.input_processor import InputProcessor, Messages, Prompt
 from engine.llm_engine import LLMEngine
 from engine.models import load_tokenizer
+from engine.scoring import check_pairs, cosine_scores
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -75,6 +76,16 @@ class LLM:
         token, unit length by default (PoolingParams says otherwise)."""
         return self._run(_as_batch(prompts), None, use_tqdm, None, lora_name=lora_name,
                          pooling=pooling_params or PoolingParams())
+
+    def score(self, text_1: Prompt | list[Prompt], text_2: Prompt | list[Prompt], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, lora_name: str | None = None) -> list[float]:
+        """As vLLM's LLM.score with a model that embeds: each pair's cosine similarity of embeddings, for one text_1
+        against each text_2, or text_1 and text_2 lists of one length pair by pair."""
+        firsts, seconds = _as_batch(text_1), _as_batch(text_2)
+        check_pairs(len(firsts), len(seconds))
+        outputs = self.embed(firsts + seconds, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm,
+                             lora_name)
+        return cosine_scores([o.embedding_f32 for o in outputs], len(firsts))
 
     def _run(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
              priority: list[int] | None, tools: list[dict] | None = None,

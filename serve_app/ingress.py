@@ -23,6 +23,7 @@ from serve_app.errors import OpenAIError, envelope, install_error_handlers
 from engine import EngineInputError, PoolingParams, SamplingParams, StructuredOutput, tool_calls
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.config import ADAPTER_NAME
+from engine.scoring import cosine_scores
 from engine.step_stats import freeze_gc_heap
 from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                       StreamOptions, TokenizeRequest)
@@ -141,7 +142,7 @@ class Ingress:
         """vLLM's /v1/score: each text pair's cosine similarity of embeddings."""
         request_id = request.state.request_id
         result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority)
-        return score_api.score_body(request_id, self._model_name(body.model), score_api.pair_scores(
+        return score_api.score_body(request_id, self._model_name(body.model), cosine_scores(
             result.vectors, len(body.firsts)), result.prompt_tokens)
 
     async def rerank(self, body: RerankRequest, request: Request) -> dict:
@@ -149,7 +150,7 @@ class Ingress:
         request_id = request.state.request_id
         result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority)
         return score_api.rerank_body(request_id, self._model_name(body.model), body,
-                                     score_api.pair_scores(result.vectors, 1), result.prompt_tokens)
+                                     cosine_scores(result.vectors, 1), result.prompt_tokens)
 
     async def _embedded(self, request_id: str, model: str | None, inputs: list, sources: list | None,
                         pooling: Callable[[], PoolingParams], priority: int):

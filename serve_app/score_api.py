@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from engine.errors import EngineInputError
 from engine.pooling_params import PoolingParams
+from engine.scoring import check_pairs
 from serve_app.embeddings_api import MAX_INPUTS
 from serve_app.openai_protocol import find_unencodable, refuse
 
@@ -60,10 +61,10 @@ class ScoreRequest(_PairRequest):
         first, second = self.firsts, self.seconds
         self._check_texts("text_1", first)
         self._check_texts("text_2", second)
-        if len(first) > 1 and len(first) != len(second):
-            raise PydanticCustomError("texts", "text_1 has {first} texts and text_2 {second}: give text_1 one text, "
-                                      "or as many as text_2", {"first": len(first), "second": len(second),
-                                                               "path": "text_1"})
+        try:
+            check_pairs(len(first), len(second))
+        except EngineInputError as exc:
+            raise PydanticCustomError("texts", str(exc), {"path": exc.param}) from None
         if len(first) + len(second) > MAX_INPUTS:
             raise PydanticCustomError("texts", "at most {limit} texts in one request, got {count}",
                                       {"limit": MAX_INPUTS, "count": len(first) + len(second), "path": "text_2"})
@@ -106,16 +107,6 @@ class RerankRequest(_PairRequest):
 
 def _named(field: str, texts: list[str], given: str | list[str]) -> list[tuple[str, str]]:
     return [(field, field if isinstance(given, str) else f"{field} {i}") for i in range(len(texts))]
-
-
-def pair_scores(vectors: list[bytes], firsts: int) -> list[float]:
-    """Unit vectors (the engine's float32 bytes) of `firsts` first texts, then the second texts: each second text's
-    cosine similarity with its first (the only first where there is one)."""
-    matrix = np.frombuffer(b"".join(vectors), dtype="<f4").reshape(len(vectors), -1).astype(np.float64)
-    first, second = matrix[:firsts], matrix[firsts:]
-    if firsts == 1:
-        first = np.broadcast_to(first, second.shape)
-    return np.einsum("ij,ij->i", first, second).tolist()
 
 
 def score_body(request_id: str, model: str, scores: list[float], prompt_tokens: int) -> dict:

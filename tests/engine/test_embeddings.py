@@ -45,6 +45,22 @@ def test_each_embedding_is_hfs_last_hidden_state_at_unit_length(llm32, hf32):
     assert len({tuple(o.embedding) for o in outputs}) == len(TEXTS)
 
 
+def test_score_is_the_cosine_of_hfs_embeddings_one_to_many_and_pair_by_pair(llm32, hf32):
+    tokenizer = llm32.inputs.tokenizer
+    hf = [hf_embedding(hf32, tokenizer.encode(t)) for t in TEXTS]
+    one_to_many = llm32.score(TEXTS[0], TEXTS, use_tqdm=False)
+    assert len(one_to_many) == len(TEXTS) and abs(one_to_many[0] - 1) < 1e-5
+    assert max(abs(got - float(hf[0] @ want)) for got, want in zip(one_to_many, hf)) < TOLERANCE
+    pairs = llm32.score(TEXTS[:2], TEXTS[3:], use_tqdm=False)
+    assert max(abs(got - float(a @ b)) for got, a, b in zip(pairs, hf[:2], hf[3:])) < TOLERANCE
+    with pytest.raises(EngineInputError, match="give text_1 one text, or as many as text_2") as refused:
+        llm32.score(TEXTS[:2], TEXTS, use_tqdm=False)
+    assert refused.value.param == "text_1"
+    with pytest.raises(EngineInputError) as empty:
+        llm32.score(TEXTS[0], [], use_tqdm=False)
+    assert empty.value.param == "text_2"
+
+
 def test_normalize_false_gives_the_hidden_state_itself(llm32, hf32):
     out, = llm32.embed(TEXTS[0], PoolingParams(normalize=False), use_tqdm=False)
     want = hf_embedding(hf32, out.prompt_token_ids, normalize=False)
