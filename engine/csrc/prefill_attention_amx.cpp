@@ -22,14 +22,14 @@ constexpr int kRows = 32;            // query rows of a work item: two tiles' ro
 constexpr int kKeys = 32;            // keys of a step: the bf16 a tile row holds
 constexpr int kTileWords = 16 * 16;  // a 1 KB tile as 32-bit words
 // Tile registers. Macros, not constants: the intrinsics paste the number into the instruction's text.
-#define TILE_A 0             // queries, then weights
-#define TILE_B 1             // keys, then values
-#define TILE_SCORES 2        // keys 0-15 of a step
-#define TILE_SCORES_HIGH 3   // keys 16-31
-#define TILE_OUT 4
-#define TILE_A_LOW 5          // rows 16-31
-#define TILE_SCORES_LOW 6
-#define TILE_SCORES_LOW_HIGH 7
+#define TILE_TOP 0             // rows 0-15 of the item: their queries, then their weights
+#define TILE_BOTTOM 1          // rows 16-31
+#define TILE_KV 2              // a key tile, then a value tile
+#define TILE_SCORES_TOP_0 3    // rows 0-15 against keys 0-15 of the step
+#define TILE_SCORES_TOP_1 4    // rows 0-15 against keys 16-31
+#define TILE_SCORES_BOTTOM_0 5
+#define TILE_SCORES_BOTTOM_1 6
+#define TILE_OUT 7             // 16 rows x 16 output columns, loaded from and stored to the fp32 output
 constexpr int kTilesUsed = 8;
 
 struct alignas(64) TileConfig {
@@ -201,34 +201,34 @@ void attend_rows(const prefill::Chunk& c, const Packed<D>& p, int64_t kv_head, i
   const int64_t lowest = w.position[0], keys = w.position[kRows - 1] + 1;
   const float log2_scale = c.scale * 1.4426950408889634f;
   for (int64_t step = 0; step * kKeys < keys; ++step) {
-    _tile_zero(TILE_SCORES);
-    _tile_zero(TILE_SCORES_HIGH);
-    _tile_zero(TILE_SCORES_LOW);
-    _tile_zero(TILE_SCORES_LOW_HIGH);
+    _tile_zero(TILE_SCORES_TOP_0);
+    _tile_zero(TILE_SCORES_TOP_1);
+    _tile_zero(TILE_SCORES_BOTTOM_0);
+    _tile_zero(TILE_SCORES_BOTTOM_1);
     for (int part = 0; part < D / 32; ++part) {
-      _tile_loadd(TILE_A, w.q[part], 64);
-      _tile_loadd(TILE_A_LOW, w.q[part][16], 64);
-      _tile_loadd(TILE_B, p.keys(kv_head, step, 0, part), 64);
-      _tile_dpbf16ps(TILE_SCORES, TILE_A, TILE_B);
-      _tile_dpbf16ps(TILE_SCORES_LOW, TILE_A_LOW, TILE_B);
-      _tile_loadd(TILE_B, p.keys(kv_head, step, 1, part), 64);
-      _tile_dpbf16ps(TILE_SCORES_HIGH, TILE_A, TILE_B);
-      _tile_dpbf16ps(TILE_SCORES_LOW_HIGH, TILE_A_LOW, TILE_B);
+      _tile_loadd(TILE_TOP, w.q[part], 64);
+      _tile_loadd(TILE_BOTTOM, w.q[part][16], 64);
+      _tile_loadd(TILE_KV, p.keys(kv_head, step, 0, part), 64);
+      _tile_dpbf16ps(TILE_SCORES_TOP_0, TILE_TOP, TILE_KV);
+      _tile_dpbf16ps(TILE_SCORES_BOTTOM_0, TILE_BOTTOM, TILE_KV);
+      _tile_loadd(TILE_KV, p.keys(kv_head, step, 1, part), 64);
+      _tile_dpbf16ps(TILE_SCORES_TOP_1, TILE_TOP, TILE_KV);
+      _tile_dpbf16ps(TILE_SCORES_BOTTOM_1, TILE_BOTTOM, TILE_KV);
     }
-    _tile_stored(TILE_SCORES, w.scores, kKeys * sizeof(float));
-    _tile_stored(TILE_SCORES_HIGH, &w.scores[0][16], kKeys * sizeof(float));
-    _tile_stored(TILE_SCORES_LOW, w.scores[16], kKeys * sizeof(float));
-    _tile_stored(TILE_SCORES_LOW_HIGH, &w.scores[16][16], kKeys * sizeof(float));
+    _tile_stored(TILE_SCORES_TOP_0, w.scores, kKeys * sizeof(float));
+    _tile_stored(TILE_SCORES_TOP_1, &w.scores[0][16], kKeys * sizeof(float));
+    _tile_stored(TILE_SCORES_BOTTOM_0, w.scores[16], kKeys * sizeof(float));
+    _tile_stored(TILE_SCORES_BOTTOM_1, &w.scores[16][16], kKeys * sizeof(float));
     softmax_step<D>(w, step * kKeys, log2_scale, step * kKeys + kKeys - 1 > lowest);
-    _tile_loadd(TILE_A, w.weights, 64);
-    _tile_loadd(TILE_A_LOW, w.weights[16], 64);
+    _tile_loadd(TILE_TOP, w.weights, 64);
+    _tile_loadd(TILE_BOTTOM, w.weights[16], 64);
     for (int part = 0; part < D / 16; ++part) {
-      _tile_loadd(TILE_B, p.values(kv_head, step, part), 64);
+      _tile_loadd(TILE_KV, p.values(kv_head, step, part), 64);
       _tile_loadd(TILE_OUT, &w.out[0][part * 16], D * sizeof(float));
-      _tile_dpbf16ps(TILE_OUT, TILE_A, TILE_B);
+      _tile_dpbf16ps(TILE_OUT, TILE_TOP, TILE_KV);
       _tile_stored(TILE_OUT, &w.out[0][part * 16], D * sizeof(float));
       _tile_loadd(TILE_OUT, &w.out[16][part * 16], D * sizeof(float));
-      _tile_dpbf16ps(TILE_OUT, TILE_A_LOW, TILE_B);
+      _tile_dpbf16ps(TILE_OUT, TILE_BOTTOM, TILE_KV);
       _tile_stored(TILE_OUT, &w.out[16][part * 16], D * sizeof(float));
     }
   }
