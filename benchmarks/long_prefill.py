@@ -37,8 +37,8 @@ def prefill_kernels(chosen) -> dict:
     if chosen is None:
         return {}
     kernels = build_kernels()
-    found = {"AMX kernel": kernels.paged_prefill_amx if kernels.has_amx_prefill() else None,
-             "AVX-512 kernel": kernels.paged_prefill}
+    found = {"AMX kernel": kernels.paged_prefill_amx_batch if kernels.has_amx_prefill() else None,
+             "AVX-512 kernel": kernels.paged_prefill_batch}
     return {name: op for name, op in found.items() if op is not None}
 
 

@@ -40,7 +40,8 @@ def cpu_features_tag() -> str:
 UNIT = ("python_bindings.h", "release_gil.h", "fused_ops_cpu.cpp", "nucleus_cpu.cpp", "paged_attention_cpu.cpp",
         "prefill_attention_cpu.cpp", "prefill_attention_amx.cpp", "quantized_matmul_cpu.cpp", "interleaved_matmul_cpu.cpp", "decoder_cpu.cpp")
 FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "paged_prefill",
-             "has_bf16_prefill", "paged_prefill_amx", "has_amx_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_"]
+             "paged_prefill_batch", "has_bf16_prefill", "paged_prefill_amx", "paged_prefill_amx_batch",
+             "has_amx_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_"]
 
 
 @functools.cache
@@ -101,9 +102,9 @@ def nucleus_mask_op():
 
 
 def paged_prefill_op(dtype, head_dim: int, block_size: int):
-    """The bf16 prefill kernel where the model and pool fit it: on AMX tiles where the CPU has them and Linux grants
-    them (4-5x the AVX512-BF16 kernel there, which ran at half of SDPA's speed on those CPUs), else on AVX512-BF16,
-    else None (SDPA)."""
+    """The bf16 prefill kernel where the model and pool fit it, taking all of a step's chunks in one call
+    (`paged_prefill_batch`'s arguments): on AMX tiles where the CPU has them and Linux grants them (4-5x the
+    AVX512-BF16 kernel there, which ran at half of SDPA's speed on those CPUs), else on AVX512-BF16, else None (SDPA)."""
     import torch
 
     if dtype != torch.bfloat16 or head_dim not in (64, 128) or block_size % 16:
@@ -111,7 +112,7 @@ def paged_prefill_op(dtype, head_dim: int, block_size: int):
     kernels = _built_or_none(build_kernels, "C++ prefill attention", "SDPA")
     if kernels is None or not kernels.has_bf16_prefill():
         return None
-    return kernels.paged_prefill_amx if kernels.has_amx_prefill() else kernels.paged_prefill
+    return kernels.paged_prefill_amx_batch if kernels.has_amx_prefill() else kernels.paged_prefill_batch
 
 
 def _built_or_none(build, what: str, fallback: str):

@@ -438,7 +438,7 @@ class LLMEngine:
             "long_prefill_token_threshold": self.scheduler.long_prefill_token_threshold,
             "max_model_len": self.max_model_len,
             "decode_kernel": self.runner.decode_kernel is not None,
-            "prefill_kernel": getattr(self.runner.prefill_kernel, "__name__", ""),  # paged_prefill(_amx); "": SDPA
+            "prefill_kernel": getattr(self.runner.prefill_kernel, "__name__", ""),  # paged_prefill(_amx)_batch; "": SDPA
             "attention_backend": self.attention_backend,
             "cuda_graphs": self.runner.graphs.buckets if self.runner.graphs is not None and self.runner.graphs.graphs else None,
             "async_scheduling": self.async_scheduling,

@@ -241,23 +241,47 @@ void attend_rows(const prefill::Chunk& c, const Packed<D>& p, int64_t kv_head, i
   }
 }
 
-// Pack every KV head's context, then hand out work items (16 rows of one KV head) costliest first, as the AVX kernel.
+// Pack every chunk's context for every KV head, then hand out the work items of all chunks (32 rows of one KV head)
+// from one list, costliest (most keys) first, so a step's short chunks share the threads in one call.
 template <int D>
-void attend_chunk(const prefill::Chunk& c, int64_t kv_heads) {
-  const int64_t steps = (c.context_len + kKeys - 1) / kKeys, groups = 2 * steps;
-  const at::Tensor buffer = at::empty({kv_heads * steps * Packed<D>::kStepWords * 4 + 64}, at::kByte);
-  const auto address = reinterpret_cast<uintptr_t>(buffer.data_ptr());
-  const Packed<D> packed{reinterpret_cast<uint32_t*>((address + 63) & ~uintptr_t{63}), steps};
-  at::parallel_for(0, kv_heads * groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pack_keys<D>(c, packed, i / groups, i % groups);
+void attend_chunks(const std::vector<prefill::Chunk>& chunks, int64_t kv_heads) {
+  std::vector<Packed<D>> packed;
+  std::vector<int64_t> first_group{0};  // each chunk's first packing job, (KV head, 16 keys) pairs
+  int64_t words = 0;
+  for (const auto& c : chunks) {
+    const int64_t steps = (c.context_len + kKeys - 1) / kKeys;
+    packed.push_back({reinterpret_cast<uint32_t*>(words), steps});  // an offset until the buffer exists
+    words += kv_heads * steps * Packed<D>::kStepWords;
+    first_group.push_back(first_group.back() + kv_heads * 2 * steps);
+  }
+  const at::Tensor buffer = at::empty({words * 4 + 64}, at::kByte);
+  const auto base = (reinterpret_cast<uintptr_t>(buffer.data_ptr()) + 63) & ~uintptr_t{63};
+  for (auto& p : packed) p.base = reinterpret_cast<uint32_t*>(base) + reinterpret_cast<uintptr_t>(p.base);
+  at::parallel_for(0, first_group.back(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const size_t c = std::upper_bound(first_group.begin(), first_group.end(), i) - first_group.begin() - 1;
+      const int64_t job = i - first_group[c], groups = 2 * packed[c].steps;
+      pack_keys<D>(chunks[c], packed[c], job / groups, job % groups);
+    }
   });
-  const int64_t items_per_head = (c.n * c.group + kRows - 1) / kRows, items = items_per_head * kv_heads;
-  std::atomic<int64_t> next{0};
+  struct Item { int64_t keys; int32_t chunk, kv_head, index; };
+  std::vector<Item> items;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const auto& ch = chunks[c];
+    const int64_t rows = ch.n * ch.group;
+    for (int64_t index = 0; index * kRows < rows; ++index) {
+      const int64_t last_token = (std::min(rows, (index + 1) * kRows) - 1) / ch.group;
+      for (int64_t h = 0; h < kv_heads; ++h)
+        items.push_back({ch.context_len - ch.n + last_token + 1, int32_t(c), int32_t(h), int32_t(index)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     configure_tiles();
     auto work = std::make_unique<Work<D>>();
-    for (int64_t item = next++; item < items; item = next++)
-      attend_rows<D>(c, packed, item % kv_heads, items_per_head - 1 - item / kv_heads, *work);
+    for (size_t i = next++; i < items.size(); i = next++)
+      attend_rows<D>(chunks[items[i].chunk], packed[items[i].chunk], items[i].kv_head, items[i].index, *work);
     _tile_release();
   });
 }
@@ -273,16 +297,29 @@ bool has_amx_prefill() {
 #endif
 }
 
-// paged_prefill's arguments and result, on AMX tiles.
+// paged_prefill_batch's arguments and result, on AMX tiles.
+at::Tensor paged_prefill_amx_batch(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                   at::Tensor query_starts, at::Tensor context_lens, double scale) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  TORCH_CHECK(amx_prefill::tiles_permitted(), "the kernel refused AMX tile state (arch_prctl)");
+  auto checked = prefill::checked_chunks(query, k_cache, v_cache, block_tables, query_starts, context_lens, scale);
+  ReleaseGil no_gil;
+  if (checked.head_dim == 64) amx_prefill::attend_chunks<64>(checked.chunks, checked.kv_heads);
+  else amx_prefill::attend_chunks<128>(checked.chunks, checked.kv_heads);
+  return checked.out;
+#else
+  TORCH_CHECK(false, "paged_prefill_amx needs AMX-BF16; this build has none (has_amx_prefill() is false)");
+  return query;
+#endif
+}
+
+// paged_prefill's arguments and result (one chunk), on AMX tiles.
 at::Tensor paged_prefill_amx(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                              int64_t context_len, double scale) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  TORCH_CHECK(amx_prefill::tiles_permitted(), "the kernel refused AMX tile state (arch_prctl)");
-  auto checked = prefill::checked_chunk(query, k_cache, v_cache, block_table, context_len, scale);
-  ReleaseGil no_gil;
-  if (checked.head_dim == 64) amx_prefill::attend_chunk<64>(checked.chunk, checked.kv_heads);
-  else amx_prefill::attend_chunk<128>(checked.chunk, checked.kv_heads);
-  return checked.out;
+  TORCH_CHECK(query.dim() == 3, "query [n, heads, D]");
+  auto [table, starts, lens] = prefill::one_chunk(query, block_table, context_len);
+  return paged_prefill_amx_batch(query, k_cache, v_cache, table, starts, lens, scale);
 #else
   TORCH_CHECK(false, "paged_prefill_amx needs AMX-BF16; this build has none (has_amx_prefill() is false)");
   return query;

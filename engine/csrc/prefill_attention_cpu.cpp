@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -173,53 +174,94 @@ void attend_chunk(const Chunk& c, int64_t kv_heads) {
 }  // namespace prefill
 #endif
 
-// query [n, heads, D] bf16 (rows may be strided, as a view of the step's fused QKV); caches [kv_heads, num_blocks,
-// block_size, D] with the chunk's K/V already written; block_table: the sequence's blocks; context_len: its tokens
-// once this chunk is in. -> [n, heads, D]
+// query [T, heads, D] bf16: the step's prefill rows, chunk i at rows query_starts[i]..query_starts[i + 1] (rows may
+// be strided, as a view of the step's fused QKV); caches [kv_heads, num_blocks, block_size, D] with the chunks' K/V
+// already written; block_tables [S, width]: each sequence's blocks; context_lens [S]: its tokens once its chunk is
+// in. -> [T, heads, D]. The single-chunk entry points (the kernels' tests) are S = 1.
 #if defined(__AVX512BF16__)
 namespace prefill {
 
-// The checked arguments of one chunk, with the tensors its pointers point into (shared with the AMX kernel).
-struct CheckedChunk {
-  at::Tensor table, out;
-  Chunk chunk;
+// The checked arguments of a step's chunks, with the tensors their pointers point into (shared with the AMX kernel).
+struct CheckedChunks {
+  at::Tensor tables, out;
+  std::vector<Chunk> chunks;
   int64_t kv_heads, head_dim;
 };
 
-inline CheckedChunk checked_chunk(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_table, int64_t context_len, double scale) {
+inline CheckedChunks checked_chunks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    const at::Tensor& block_tables, const at::Tensor& query_starts,
+                                    const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "paged_prefill takes bf16 queries and a bf16 pool");
   TORCH_CHECK(query.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous(), "a contiguous CPU pool");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2), "query [n, heads, D]");
-  const int64_t n = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t rows = query.size(0), heads = query.size(1), head_dim = query.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged_prefill has head_dim 64 and 128, not ", head_dim);
   TORCH_CHECK(heads % kv_heads == 0 && block_size % kTile == 0 && k_cache.size(3) == head_dim, "pool geometry");
-  TORCH_CHECK(n >= 1 && context_len >= n, "a chunk of ", n, " tokens in a context of ", context_len);
-  auto table = block_table.to(at::kLong).contiguous();
-  // paged_attention_cpu.cpp's check, on this one table and length
-  check_block_tables(table.data_ptr<int64_t>(), table.numel(), &context_len, 1, num_blocks, block_size);
-  auto out = at::empty({n, heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
-  const Chunk chunk{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), n, heads,
-                    heads / kv_heads, context_len, block_size, num_blocks,
-                    reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table.data_ptr<int64_t>(),
-                    static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
-  return {table, out, chunk, kv_heads, head_dim};
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto starts = query_starts.to(at::kLong).contiguous(), lens = context_lens.to(at::kLong).contiguous();
+  const int64_t count = lens.numel(), width = tables.numel() / std::max<int64_t>(count, 1);
+  TORCH_CHECK(count >= 1 && starts.numel() == count + 1 && tables.numel() == count * width,
+              "block tables [S, width], query starts [S + 1] and context lengths [S]");
+  const int64_t *start = starts.data_ptr<int64_t>(), *len = lens.data_ptr<int64_t>();
+  TORCH_CHECK(start[0] == 0 && start[count] == rows, "the query starts span the query's ", rows, " rows");
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = start[i + 1] - start[i];
+    TORCH_CHECK(n >= 1 && len[i] >= n, "a chunk of ", n, " tokens in a context of ", len[i]);
+  }
+  // paged_attention_cpu.cpp's check, on every table and length
+  check_block_tables(tables.data_ptr<int64_t>(), width, len, count, num_blocks, block_size);
+  auto out = at::empty({rows, heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < count; ++i)
+    chunks.push_back(Chunk{q + start[i] * query.stride(0), query.stride(0), start[i + 1] - start[i], heads,
+                           heads / kv_heads, len[i], block_size, num_blocks,
+                           reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                           reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+                           tables.data_ptr<int64_t>() + i * width, static_cast<float>(scale),
+                           o + start[i] * heads * head_dim});
+  return {tables, out, std::move(chunks), kv_heads, head_dim};
+}
+
+// One chunk's arguments as a step of one: [n] block table, its context length.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> one_chunk(const at::Tensor& query, const at::Tensor& block_table,
+                                                                int64_t context_len) {
+  auto table = block_table.to(at::kLong).reshape({1, -1});
+  auto starts = at::empty({2}, at::kLong), lens = at::empty({1}, at::kLong);
+  starts.data_ptr<int64_t>()[0] = 0;
+  starts.data_ptr<int64_t>()[1] = query.size(0);
+  lens.data_ptr<int64_t>()[0] = context_len;
+  return {table, starts, lens};
 }
 
 }  // namespace prefill
 #endif
 
+at::Tensor paged_prefill_batch(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                               at::Tensor query_starts, at::Tensor context_lens, double scale) {
+#if defined(__AVX512BF16__)
+  auto checked = prefill::checked_chunks(query, k_cache, v_cache, block_tables, query_starts, context_lens, scale);
+  ReleaseGil no_gil;
+  for (const auto& chunk : checked.chunks) {  // each chunk's tiles over every thread
+    if (checked.head_dim == 64) prefill::attend_chunk<64>(chunk, checked.kv_heads);
+    else prefill::attend_chunk<128>(chunk, checked.kv_heads);
+  }
+  return checked.out;
+#else
+  TORCH_CHECK(false, "paged_prefill needs AVX512-BF16; this build has none (has_bf16_prefill() is false)");
+  return query;
+#endif
+}
+
 at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                          int64_t context_len, double scale) {
 #if defined(__AVX512BF16__)
-  auto checked = prefill::checked_chunk(query, k_cache, v_cache, block_table, context_len, scale);
-  ReleaseGil no_gil;
-  if (checked.head_dim == 64) prefill::attend_chunk<64>(checked.chunk, checked.kv_heads);
-  else prefill::attend_chunk<128>(checked.chunk, checked.kv_heads);
-  return checked.out;
+  TORCH_CHECK(query.dim() == 3, "query [n, heads, D]");
+  auto [table, starts, lens] = prefill::one_chunk(query, block_table, context_len);
+  return paged_prefill_batch(query, k_cache, v_cache, table, starts, lens, scale);
 #else
   TORCH_CHECK(false, "paged_prefill needs AVX512-BF16; this build has none (has_bf16_prefill() is false)");
   return query;

@@ -76,6 +76,15 @@ class AttentionMetadata:
     triton: bool = False
     prefill_kernel: Callable | None = None  # the bf16 CPU prefill op (engine.cpu_kernels); None: SDPA
 
+    @cached_property
+    def prefill_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunks as the CPU prefill kernel takes them, made once a step: block tables [S, width] (padded with
+        block 0), query starts [S + 1] from the first chunk's row, context lengths [S]."""
+        tables = torch.nn.utils.rnn.pad_sequence([chunk.block_table for chunk in self.prefills], batch_first=True)
+        first = self.prefills[0].start
+        starts = torch.tensor([first] + [chunk.end for chunk in self.prefills]) - first
+        return tables, starts, torch.tensor([chunk.context_len for chunk in self.prefills])
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_layers[layer]
         if self.triton:
@@ -105,11 +114,12 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache:
     out = query.new_empty(query.shape)
     if meta.decode is not None:
         out[: meta.decode.size] = _decode(query[: meta.decode.size], k_cache, v_cache, meta.decode, scaling)
+    if meta.prefill_kernel is not None:  # every chunk in one call
+        first = meta.prefills[0].start
+        out[first:] = _prefill_kernel(meta.prefill_kernel, query[first:], k_cache, v_cache, meta.prefill_tensors, scaling)
+        return out
     for chunk in meta.prefills:
-        if meta.prefill_kernel is not None:
-            out[chunk.start : chunk.end] = _prefill_kernel(meta.prefill_kernel, query, k_cache, v_cache, chunk, scaling)
-        else:
-            out[chunk.start : chunk.end] = _prefill(query, key, value, k_cache, v_cache, chunk, scaling)
+        out[chunk.start : chunk.end] = _prefill(query, key, value, k_cache, v_cache, chunk, scaling)
     return out
 
 
@@ -157,13 +167,13 @@ def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling: 
     return o[0].transpose(0, 1)
 
 
-def _prefill_kernel(kernel: Callable, query, k_cache, v_cache, chunk: PrefillChunk, scaling: float) -> torch.Tensor:
-    """The chunk from the pool, where its K/V were just written. The kernel takes rows of [heads, D] at any stride
-    (the fused QKV's); transformers' layout is copied into that first."""
-    q = query[chunk.start : chunk.end]
+def _prefill_kernel(kernel: Callable, q, k_cache, v_cache, chunks: tuple[torch.Tensor, ...], scaling: float
+                    ) -> torch.Tensor:
+    """The step's chunks (`q`: their rows) from the pool, where their K/V were just written. The kernel takes rows of
+    [heads, D] at any stride (the fused QKV's); transformers' layout is copied into that first."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
-    return kernel(q, k_cache, v_cache, chunk.block_table, chunk.context_len, scaling)
+    return kernel(q, k_cache, v_cache, *chunks, scaling)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ def test_the_long_prefill_benchmark_times_each_path_at_each_length(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     report = json.loads(next(tmp_path.glob("long-prefill-*.json")).read_text())
     kernel = cpu_kernels.paged_prefill_op(torch.bfloat16, 64, 16)  # as the benchmark's engine chooses
-    kernels = {"AMX kernel"} if kernel is not None and kernel.__name__ == "paged_prefill_amx" else set()
+    kernels = {"AMX kernel"} if kernel is not None and kernel.__name__ == "paged_prefill_amx_batch" else set()
     kernels |= {"AVX-512 kernel"} if kernel is not None else set()
     assert set(report["seconds"]) == {f"engine, {path}" for path in kernels | {"SDPA"}}
     for by_length in report["seconds"].values():

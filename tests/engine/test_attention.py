@@ -179,12 +179,44 @@ def test_the_bf16_prefill_kernels_match_sdpa_over_cached_contexts(isa, head_dim,
         assert error <= 1.5 * sdpa_error + 2e-3, f"n {n}, context {context_len}: error {error:.4f}, SDPA's {sdpa_error:.4f}"
 
 
+@pytest.mark.parametrize("isa", PREFILL_KERNELS)
+def test_a_steps_chunks_in_one_call_equal_each_chunk_alone(isa):
+    """The engine's form: every prefill chunk of a step in one call (strided rows of one query, a padded table per
+    sequence). Each chunk's rows come out bit for bit as a call of its own gives them; bad spans are refused."""
+    kernel = bf16_prefill_kernel(isa)
+    batch = getattr(cpu_kernels.build_kernels(), kernel.__name__ + "_batch")
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 80
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(torch.bfloat16)
+                        for _ in range(2))
+    chunks = [(40, 40), (1, 300), (70, 150), (5, 5), (33, 500)]  # (new tokens, context once they are in)
+    blocks = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [torch.tensor(blocks[sum(-(-c // block_size) for _, c in chunks[:i]):][: -(-ctx // block_size)])
+              for i, (_, ctx) in enumerate(chunks)]
+    rows = sum(n for n, _ in chunks)
+    q = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=g).to(torch.bfloat16)[:, :heads]
+    starts = torch.tensor([0] + [sum(n for n, _ in chunks[: i + 1]) for i in range(len(chunks))])
+    padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+    lens = torch.tensor([ctx for _, ctx in chunks])
+    together = batch(q, k_cache, v_cache, padded, starts, lens, head_dim ** -0.5)
+    for i, (table, (n, ctx)) in enumerate(zip(tables, chunks)):
+        alone = kernel(q[starts[i] : starts[i + 1]], k_cache, v_cache, table, ctx, head_dim ** -0.5)
+        assert torch.equal(together[starts[i] : starts[i + 1]], alone), f"chunk {i}"
+        want = reference_prefill(q[starts[i] : starts[i + 1]], k_cache, v_cache, table, ctx)
+        assert (alone.float() - want).abs().max() < 0.05
+    with pytest.raises(RuntimeError, match="span the query"):
+        batch(q, k_cache, v_cache, padded, starts - 1, lens, 0.125)
+    with pytest.raises(RuntimeError, match="a chunk of 40 tokens in a context of 39"):
+        batch(q, k_cache, v_cache, padded, starts, lens - torch.tensor([1, 0, 0, 0, 0]), 0.125)
+
+
 def test_bf16_prefill_runs_on_amx_tiles_where_linux_grants_them():
     """Where both kernels run, the engine takes the AMX one (4-5x the other on such CPUs); fp32 and other head sizes
     keep SDPA."""
     bf16_prefill_kernel()
     amx = cpu_kernels.build_kernels().has_amx_prefill()
-    assert cpu_kernels.paged_prefill_op(torch.bfloat16, 64, 16).__name__ == ("paged_prefill_amx" if amx else "paged_prefill")
+    chosen = cpu_kernels.paged_prefill_op(torch.bfloat16, 64, 16).__name__
+    assert chosen == ("paged_prefill_amx_batch" if amx else "paged_prefill_batch")
     assert cpu_kernels.paged_prefill_op(torch.float32, 64, 16) is None
     assert cpu_kernels.paged_prefill_op(torch.bfloat16, 96, 16) is None
 
