@@ -18,10 +18,10 @@ from engine.errors import EngineDeadError, EngineInputError
 from engine.input_processor import InputProcessor, Messages, Prompt
 from engine.llm_engine import LLMEngine
 from engine.models import load_tokenizer
-from engine.scoring import check_pairs, cosine_scores
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.scoring import check_pairs, cosine_scores
 
 
 class LLM:
