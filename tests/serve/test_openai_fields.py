@@ -87,7 +87,8 @@ def test_each_field_gets_its_documented_outcome(base_url, auth, field, endpoint,
     with httpx.stream("POST", base_url + PATHS[endpoint], json=body, headers=auth, timeout=120) as r:
         content = r.read().decode()
     if outcome == "yes":
-        assert r.status_code == 200 and "error" not in content, (field, content)
+        # an error object (whole, or in-band in a stream), not the word: a sampled "-terrorism" once failed this
+        assert r.status_code == 200 and '"error":' not in content, (field, content)
     else:
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, content)
 
