@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.pooling_params import PoolingParams
-from serve_app.openai_protocol import find_unencodable, refuse
+from serve_app.openai_protocol import check_unicode, refuse
 from serve_app.security import REQUEST_ID
 from pydantic_core import PydanticCustomError
 
@@ -38,9 +38,7 @@ class EmbeddingRequest(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        path = find_unencodable(data)
-        if path is not None:
-            raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)", {"path": path})
+        check_unicode(data)
         refused = {
             "messages": "chat messages as an embedding's input (send the text as input)",
             "mm_processor_kwargs": "multimodal inputs", "padding": "padding (no model here needs it)",

@@ -32,6 +32,13 @@ class StreamOptions(BaseModel):
         return self.include_usage and self.continuous_usage_stats
 
 
+def check_unicode(body: Any) -> None:
+    """A 400 naming the first string of a request body that is not valid Unicode (a lone surrogate)."""
+    path = find_unencodable(body)
+    if path is not None:
+        raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)", {"path": path})
+
+
 def find_unencodable(value: Any, path: str = "") -> str | None:
     """The path of the first string in a JSON value that is not valid Unicode (JSON may carry lone surrogates,
     which no tokenizer or response encoder accepts), or None."""
@@ -189,9 +196,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_is_unicode(cls, data: Any) -> Any:
-        path = find_unencodable(data)
-        if path is not None:
-            raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)", {"path": path})
+        check_unicode(data)
         return data
 
     model: str | None = None

@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from serve_app.errors import OpenAIError, describe_validation_error
 from serve_app.openai_protocol import (MAX_TOOLS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_VLLM_FIELDS, ChatCompletionRequest,
-                                      find_unencodable, refuse)
+                                      check_unicode, refuse)
 
 # Responses fields this server does not implement: field -> (the values that ask for nothing, why refused)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -142,9 +142,7 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            path = find_unencodable(data)
-            if path is not None:
-                raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)", {"path": path})
+            check_unicode(data)
             for field, (nothing, why) in UNSUPPORTED_FIELDS.items():
                 if field in data and data[field] not in nothing:
                     raise refuse(field, why)

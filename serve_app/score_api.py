@@ -13,7 +13,7 @@ from engine.errors import EngineInputError
 from engine.pooling_params import PoolingParams
 from engine.scoring import check_pairs
 from serve_app.embeddings_api import MAX_INPUTS
-from serve_app.openai_protocol import find_unencodable, refuse
+from serve_app.openai_protocol import check_unicode, refuse
 
 
 class _PairRequest(BaseModel):
@@ -29,9 +29,7 @@ class _PairRequest(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        path = find_unencodable(data)
-        if path is not None:
-            raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)", {"path": path})
+        check_unicode(data)
         if data.get("mm_processor_kwargs") is not None:
             raise refuse("mm_processor_kwargs", "multimodal inputs")
         for field in ("use_activation", "activation", "softmax"):
