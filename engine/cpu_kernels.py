@@ -39,7 +39,7 @@ def cpu_features_tag() -> str:
 # One translation unit, in this order: the decoder (last) calls the others' kernels directly.
 UNIT = ("python_bindings.h", "release_gil.h", "fused_ops_cpu.cpp", "nucleus_cpu.cpp", "paged_attention_cpu.cpp",
         "prefill_attention_cpu.cpp", "prefill_attention_amx.cpp", "quantized_matmul_cpu.cpp",
-        "interleaved_matmul_cpu.cpp", "decoder_cpu.cpp")
+        "interleaved_matmul_cpu.cpp", "decode_region_cpu.cpp", "decoder_cpu.cpp")
 FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "paged_prefill",
              "paged_prefill_batch", "has_bf16_prefill", "paged_prefill_amx", "paged_prefill_amx_batch",
              "has_amx_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_"]

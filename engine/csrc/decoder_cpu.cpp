@@ -40,16 +40,23 @@ constexpr int64_t kWeightsPerLayer = 18;  // the order of engine/models/llama.py
 
 // hidden [B, hidden_size]: the token embeddings of B single-token decodes. Runs every layer (RMSNorm with
 // the residual add, q/k/v, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
-// returns (hidden, residual) of the last layer, before the final norm.
+// returns (hidden, residual) of the last layer, before the final norm. one_region: in one OpenMP region where the
+// weights allow (decode_region_cpu.cpp), else op by op as below.
 std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor> weights,
                                       std::vector<at::Tensor> kv_caches, at::Tensor positions,
                                       at::Tensor cos, at::Tensor sin, at::Tensor slots,
                                       at::Tensor block_tables, at::Tensor context_lens, int64_t heads,
-                                      int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
+                                      int64_t kv_heads, int64_t head_dim, double eps, double scaling, bool one_region) {
   ReleaseGil no_gil;
   TORCH_CHECK(hidden.dim() == 2, "decode_layers takes hidden states [B, hidden]");
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(layers * kWeightsPerLayer == static_cast<int64_t>(weights.size()) && kv_caches.size() == 2 * layers);
+  if (one_region) {
+    if (auto out = decode_layers_in_region(hidden, weights, kv_caches, positions, cos, sin, slots, block_tables,
+                                           context_lens, heads, kv_heads, head_dim, eps, scaling, kWeightsPerLayer)) {
+      return *out;
+    }
+  }
   const int64_t batch = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   c10::optional<at::Tensor> residual;
   for (int64_t l = 0; l < layers; ++l) {

@@ -16,27 +16,60 @@ namespace {
 template <typename scalar_t>
 inline scalar_t round_to(float v) { return static_cast<scalar_t>(v); }
 
+// One row: sum = x + residual (x alone without one), normed = weight * norm(sum); s is fp32 room for `hidden` values.
+template <typename scalar_t>
+inline void add_rms_norm_row(const scalar_t* x, const scalar_t* residual, const scalar_t* weight, scalar_t* normed,
+                             scalar_t* sum, int64_t hidden, float eps, float* s) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < hidden; ++i) {
+    const scalar_t total = residual ? round_to<scalar_t>(static_cast<float>(x[i]) + static_cast<float>(residual[i])) : x[i];
+    sum[i] = total;
+    s[i] = static_cast<float>(total);
+    squares += s[i] * s[i];
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float n = static_cast<float>(round_to<scalar_t>(s[i] * inv));
+    normed[i] = round_to<scalar_t>(n * static_cast<float>(weight[i]));
+  }
+}
+
 template <typename scalar_t>
 void add_rms_norm_rows(const scalar_t* x, const scalar_t* residual, const scalar_t* weight, scalar_t* normed,
                        scalar_t* sum, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> s(hidden);
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * hidden;
-      float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        const scalar_t total = residual ? round_to<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(residual[r * hidden + i])) : xr[i];
-        sum[r * hidden + i] = total;
-        s[i] = static_cast<float>(total);
-        squares += s[i] * s[i];
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float n = static_cast<float>(round_to<scalar_t>(s[i] * inv));
-        normed[r * hidden + i] = round_to<scalar_t>(n * static_cast<float>(weight[i]));
-      }
+      add_rms_norm_row(x + r * hidden, residual ? residual + r * hidden : nullptr, weight, normed + r * hidden,
+                       sum + r * hidden, hidden, eps, s.data());
     }
   });
+}
+
+// Rotates the first `rotated_heads` heads of one token's row in place at its position (see rotary_inplace).
+template <typename scalar_t>
+inline void rotate_row(scalar_t* row, const float* cos_at, const float* sin_at, int64_t rotated_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < rotated_heads; ++h) {
+    scalar_t* x = row + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      // the table in the model's dtype first, as HF casts cos/sin before multiplying
+      const float ci = static_cast<float>(round_to<scalar_t>(cos_at[i])), si = static_cast<float>(round_to<scalar_t>(sin_at[i]));
+      const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+      x[i] = round_to<scalar_t>(x1 * ci - x2 * si);
+      x[i + half] = round_to<scalar_t>(x2 * ci + x1 * si);
+    }
+  }
+}
+
+// SiLU(gate) * up for one token: gate and up are `inner` values each.
+template <typename scalar_t>
+inline void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t inner) {
+  for (int64_t i = 0; i < inner; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    const float act = static_cast<float>(round_to<scalar_t>(g / (1.f + std::exp(-g))));
+    out[i] = round_to<scalar_t>(act * static_cast<float>(up[i]));
+  }
 }
 
 }  // namespace
@@ -79,18 +112,8 @@ void rotary_inplace(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Te
     scalar_t* base = qkv.data_ptr<scalar_t>();
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cos.data_ptr<float>() + pos[t] * half;
-        const float* s = sin.data_ptr<float>() + pos[t] * half;
-        for (int64_t h = 0; h < rotated_heads; ++h) {
-          scalar_t* x = base + t * row_stride + h * head_dim;
-          for (int64_t i = 0; i < half; ++i) {
-            // the table in the model's dtype first, as HF casts cos/sin before multiplying
-            const float ci = static_cast<float>(round_to<scalar_t>(c[i])), si = static_cast<float>(round_to<scalar_t>(s[i]));
-            const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
-            x[i] = round_to<scalar_t>(x1 * ci - x2 * si);
-            x[i + half] = round_to<scalar_t>(x2 * ci + x1 * si);
-          }
-        }
+        rotate_row(base + t * row_stride, cos.data_ptr<float>() + pos[t] * half, sin.data_ptr<float>() + pos[t] * half,
+                   rotated_heads, head_dim);
       }
     });
   });
@@ -107,13 +130,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* gate = in + t * 2 * inner;
-        const scalar_t* up = gate + inner;
-        for (int64_t i = 0; i < inner; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          const float act = static_cast<float>(round_to<scalar_t>(g / (1.f + std::exp(-g))));
-          o[t * inner + i] = round_to<scalar_t>(act * static_cast<float>(up[i]));
-        }
+        silu_and_mul_row(in + t * 2 * inner, in + t * 2 * inner + inner, o + t * inner, inner);
       }
     });
   });

@@ -83,15 +83,40 @@ inline void group_dot(const uint8_t* codes, const c10::Half* d, const c10::Half*
   for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
 }
 
+// Row groups [begin, end) of y [m_rows, n] fp32 = x W^T, x given rounded (see Int16Rows).
 template <bool kQ4>
-at::Tensor interleaved_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                              const at::Tensor& m) {
+inline void interleaved_groups(const uint8_t* codes, const c10::Half* d, const c10::Half* m, const Int16Rows& rows,
+                               int64_t m_rows, int64_t groups, int64_t n, int64_t begin, int64_t end, float* y) {
   constexpr int64_t bytes = kQ4 ? 256 : 512;
-  const int64_t m_rows = x.size(0), k = x.size(1), row_groups = codes.size(0), groups = k / kBlock, n = row_groups * kLanes;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(1) == groups &&
+  for (int64_t group = begin; group < end; ++group) {
+    const int64_t scale_offset = group * groups * kLanes;
+    for (int64_t r0 = 0; r0 < m_rows; r0 += kInterleavedRowTile) {
+      with_rows<kInterleavedRowTile>(std::min<int64_t>(kInterleavedRowTile, m_rows - r0), [&](auto tile) {
+        group_dot<kQ4, decltype(tile)::value>(codes + group * groups * bytes, d + scale_offset,
+                                              m ? m + scale_offset : nullptr, rows.from(r0), groups,
+                                              y + r0 * n + group * kLanes, n);
+      });
+    }
+  }
+}
+
+// Checks an interleaved matrix's codes, scales and mins for x with k columns -> its output width.
+template <bool kQ4>
+int64_t interleaved_width(int64_t k, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  constexpr int64_t bytes = kQ4 ? 256 : 512;
+  const int64_t row_groups = codes.size(0), groups = k / kBlock;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(1) == groups &&
               codes.size(2) == bytes, "interleaved codes must be [N/16, K/32, ", bytes, "] uint8");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == row_groups * groups * kLanes);
   TORCH_CHECK(!kQ4 || (m.scalar_type() == at::kHalf && m.is_contiguous() && m.numel() == d.numel()));
+  return row_groups * kLanes;
+}
+
+template <bool kQ4>
+at::Tensor interleaved_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                              const at::Tensor& m) {
+  const int64_t m_rows = x.size(0), k = x.size(1), groups = k / kBlock;
+  const int64_t n = interleaved_width<kQ4>(k, codes, d, m);
   const Int16Activations activations(x.contiguous());
   const auto rows = activations.rows();
   auto y = at::empty({m_rows, n}, x.options());
@@ -99,17 +124,8 @@ at::Tensor interleaved_matmul(const at::Tensor& x, const at::Tensor& codes, cons
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = kQ4 ? m.data_ptr<c10::Half>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, row_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t group = begin; group < end; ++group) {
-      const int64_t scale_offset = group * groups * kLanes;
-      for (int64_t r0 = 0; r0 < m_rows; r0 += kInterleavedRowTile) {
-        with_rows<kInterleavedRowTile>(std::min<int64_t>(kInterleavedRowTile, m_rows - r0), [&](auto tile) {
-          group_dot<kQ4, decltype(tile)::value>(qp + group * groups * bytes, dp + scale_offset,
-                                                mp ? mp + scale_offset : nullptr, rows.from(r0), groups,
-                                                yp + r0 * n + group * kLanes, n);
-        });
-      }
-    }
+  at::parallel_for(0, n / kLanes, 1, [&](int64_t begin, int64_t end) {
+    interleaved_groups<kQ4>(qp, dp, mp, rows, m_rows, groups, n, begin, end, yp);
   });
   return y;
 }

@@ -254,38 +254,53 @@ static void weighted_values(const scalar_t* v_head, BlockWalk rows, int64_t len,
     }
 }
 
+// Room one thread reuses across decode tasks: the query group in registers' layout, partial sums, scores.
+struct DecodeRoom {
+  std::vector<__m512> qv, partial;
+  std::vector<float> scores;
+  DecodeRoom(int64_t group, int64_t head_dim) : qv(group * (head_dim / 16)), partial(group * 16) {}
+};
+
 // head_dim a multiple of 16, fixed at compile time. One task is one sequence's KV head: scores of its query-head
 // group, softmax, then the weighted values, in chunks of query heads whose accumulators fit the 32 registers.
 template <typename scalar_t, int64_t kHeadDim>
-static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
-                          const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
-                          int64_t, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
+static void decode_task(int64_t task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                        const int64_t* block_tables, const int64_t* context_lens, scalar_t* out, int64_t heads,
+                        int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
+                        DecodeRoom& room) {
   constexpr int64_t kVecs = kHeadDim / 16;
   constexpr int kMaxChunk = kVecs <= 5 ? 4 : 2;
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = num_blocks * block_size * kHeadDim;
+  const int64_t b = task / kv_heads, kvh = task % kv_heads, len = context_lens[b];
+  const BlockWalk rows(block_tables + b * max_blocks, block_size, kHeadDim);
+  const int64_t padded = (len + 15) / 16 * 16, first_head = b * heads + kvh * group;
+  room.scores.resize(group * padded);
+  key_scores<scalar_t, kHeadDim>(q + first_head * kHeadDim, k_cache + kvh * head_stride, rows, len, group, scale,
+                                 room.qv.data(), room.partial.data(), room.scores.data(), padded);
+  for (int64_t g = 0; g < group; ++g) softmax(room.scores.data() + g * padded, len);
+  const scalar_t* v_head = v_cache + kvh * head_stride;
+  for (int64_t g = 0; g < group; g += kMaxChunk) {
+    const float* s = room.scores.data() + g * padded;
+    scalar_t* o = out + (first_head + g) * kHeadDim;
+    switch (std::min<int64_t>(kMaxChunk, group - g)) {
+      case 1: weighted_values<scalar_t, kHeadDim, 1>(v_head, rows, len, s, padded, o); break;
+      case 2: weighted_values<scalar_t, kHeadDim, 2>(v_head, rows, len, s, padded, o); break;
+      case 3: weighted_values<scalar_t, kHeadDim, 3>(v_head, rows, len, s, padded, o); break;
+      default: weighted_values<scalar_t, kHeadDim, 4>(v_head, rows, len, s, padded, o); break;
+    }
+  }
+}
+
+template <typename scalar_t, int64_t kHeadDim>
+static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
+                          const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                          int64_t, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qv(group * kVecs), partial(group * 16);
-    std::vector<float> scores;
+    DecodeRoom room(heads / kv_heads, kHeadDim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, kvh = task % kv_heads, len = context_lens[b];
-      const BlockWalk rows(block_tables + b * max_blocks, block_size, kHeadDim);
-      const int64_t padded = (len + 15) / 16 * 16, first_head = b * heads + kvh * group;
-      scores.resize(group * padded);
-      key_scores<scalar_t, kHeadDim>(q + first_head * kHeadDim, k_cache + kvh * head_stride, rows, len, group, scale,
-                                     qv.data(), partial.data(), scores.data(), padded);
-      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * padded, len);
-      const scalar_t* v_head = v_cache + kvh * head_stride;
-      for (int64_t g = 0; g < group; g += kMaxChunk) {
-        const float* s = scores.data() + g * padded;
-        scalar_t* o = out + (first_head + g) * kHeadDim;
-        switch (std::min<int64_t>(kMaxChunk, group - g)) {
-          case 1: weighted_values<scalar_t, kHeadDim, 1>(v_head, rows, len, s, padded, o); break;
-          case 2: weighted_values<scalar_t, kHeadDim, 2>(v_head, rows, len, s, padded, o); break;
-          case 3: weighted_values<scalar_t, kHeadDim, 3>(v_head, rows, len, s, padded, o); break;
-          default: weighted_values<scalar_t, kHeadDim, 4>(v_head, rows, len, s, padded, o); break;
-        }
-      }
+      decode_task<scalar_t, kHeadDim>(task, q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads,
+                                      num_blocks, block_size, max_blocks, scale, room);
     }
   });
 }

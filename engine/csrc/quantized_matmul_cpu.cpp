@@ -138,6 +138,11 @@ inline void round_block(const float* x, int16_t* codes, float* scale, float* sum
   }
 }
 
+// `blocks` consecutive 32-element blocks of x rounded; block b's codes at codes + 32 b, its scale and sum at [b].
+inline void round_blocks(const float* x, int64_t blocks, int16_t* codes, float* scales, float* sums) {
+  for (int64_t b = 0; b < blocks; ++b) round_block(x + b * kBlock, codes + b * kBlock, scales + b, sums + b);
+}
+
 // Owns the rounded activations for one call (plain vectors: a torch allocation costs more, 211 calls a step).
 struct Int16Activations {
   int64_t k;
@@ -145,10 +150,7 @@ struct Int16Activations {
   std::vector<float> scales, sums;
   explicit Int16Activations(const at::Tensor& x)
       : k(x.size(1)), codes(x.numel()), scales(x.numel() / kBlock), sums(x.numel() / kBlock) {
-    const float* xp = x.data_ptr<float>();
-    for (size_t b = 0; b < scales.size(); ++b) {
-      round_block(xp + b * kBlock, codes.data() + b * kBlock, &scales[b], &sums[b]);
-    }
+    round_blocks(x.data_ptr<float>(), static_cast<int64_t>(scales.size()), codes.data(), scales.data(), sums.data());
   }
   Int16Rows rows() const { return {codes.data(), scales.data(), sums.data(), k}; }
 };

@@ -90,6 +90,7 @@ class LlamaModel(nn.Module):
         self.fused = None
         self.native_weights: list[torch.Tensor] | None = None  # on GGUF blocks; set by `use_native_decode`
         self.native_dense_weights: list[torch.Tensor] | None = None  # on oneDNN-packed weights
+        self.one_region = True  # the native call on blocks in one OpenMP region (decode_region_cpu.cpp); False: op by op
         self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's LoRAManager
         attention = self.layers[0].self_attn
         self.shape = (attention.heads, attention.kv_heads, attention.head_dim, cfg.rms_norm_eps, attention.scaling)
@@ -100,7 +101,8 @@ class LlamaModel(nn.Module):
             decode = meta.decode
             hidden, residual = self.fused.decode_layers(
                 hidden, weights, [t for pair in meta.kv_layers for t in pair], positions, self.rotary.cos,
-                self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape)
+                self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape,
+                self.one_region)
             return self.norm(hidden, residual)[0]
         return self.layers_forward(hidden, positions, meta)
 
