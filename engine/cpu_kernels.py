@@ -1,6 +1,6 @@
 """The C++ CPU kernels (decode attention; bf16 prefill attention on AVX512-BF16; matmuls over GGUF blocks; fused
-per-layer ops; every decoder layer of a decode step in one call; top-p's threshold), compiled once on first use into
-one module and cached by torch.
+per-layer ops; every decoder layer of a decode step in one call; top-p's threshold; greedy picks), compiled once on
+first use into one module and cached by torch.
 
 Without a C++ compiler, attention falls back to the device-agnostic torch path. With one, a failed build is an
 error (`build_paged_decode` raises), so a broken kernel can never pass for a missing compiler.
@@ -39,10 +39,11 @@ def cpu_features_tag() -> str:
 # One translation unit, in this order: the decoder (last) calls the others' kernels directly.
 UNIT = ("python_bindings.h", "release_gil.h", "fused_ops_cpu.cpp", "nucleus_cpu.cpp", "paged_attention_cpu.cpp",
         "prefill_attention_cpu.cpp", "prefill_attention_amx.cpp", "quantized_matmul_cpu.cpp",
-        "interleaved_matmul_cpu.cpp", "decode_region_cpu.cpp", "decoder_cpu.cpp")
+        "interleaved_matmul_cpu.cpp", "decode_region_cpu.cpp", "decoder_cpu.cpp", "greedy_cpu.cpp")
 FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "paged_decode", "paged_prefill",
              "paged_prefill_batch", "has_bf16_prefill", "paged_prefill_amx", "paged_prefill_amx_batch",
-             "has_amx_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_"]
+             "has_amx_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_",
+             "greedy_or_invalid_cpu"]
 
 
 @functools.cache
@@ -100,6 +101,13 @@ def nucleus_mask_op():
     where the kernels do not build: the sampler then takes its torch tiers."""
     kernels = _built_or_none(build_kernels, "C++ top-p", "torch's topk tiers")
     return kernels.nucleus_mask_ if kernels is not None else None
+
+
+def greedy_op():
+    """Greedy rows' tokens in one pass (csrc/greedy_cpu.cpp: argmax, or the invalid id for a row not finite), or None
+    (logged) where the kernels do not build: the sampler then takes torch's max and amin."""
+    kernels = _built_or_none(build_kernels, "C++ greedy", "torch's reductions")
+    return kernels.greedy_or_invalid_cpu if kernels is not None else None
 
 
 def paged_prefill_op(dtype, head_dim: int, block_size: int):

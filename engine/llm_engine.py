@@ -16,7 +16,8 @@ from engine.attention_backend import choose_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput, EngineRequest, ModelLimits
-from engine.cpu_kernels import build_paged_decode, fused_ops, nucleus_mask_op, paged_decode_op, paged_prefill_op
+from engine.cpu_kernels import (build_paged_decode, fused_ops, greedy_op, nucleus_mask_op, paged_decode_op,
+                                paged_prefill_op)
 from engine.engine_stats import EngineStats
 from engine.errors import EngineInputError
 from engine.host_memory import keep_freed_memory
@@ -85,7 +86,8 @@ class LLMEngine:
                                   sorted(self.eos_token_ids), *embedding_sizes(self.model.config))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len)
-        self.sampler = StepSampler(self.eos_token_ids, nucleus_mask_op() if self.device.type == "cpu" else None)
+        on_cpu = self.device.type == "cpu"
+        self.sampler = StepSampler(self.eos_token_ids, nucleus_mask_op() if on_cpu else None, greedy_op() if on_cpu else None)
         self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting) + len(self.parked))
         self.parked: list[Sequence] = []  # requests whose adapter is loading (lora_root), out of the scheduler
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None

@@ -76,10 +76,13 @@ class GrammarMask(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, cpu_nucleus_mask: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, cpu_nucleus_mask: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 cpu_greedy: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
         """`cpu_nucleus_mask(probs, top_p)`: top-p in place on CPU, the compiled kernel (cpu_kernels.nucleus_mask_op)
-        where the engine has it, else `nucleus_threshold_by_candidates` and a masked_fill."""
+        where the engine has it, else `nucleus_threshold_by_candidates` and a masked_fill. `cpu_greedy(logits,
+        invalid)`: greedy_or_invalid's result in one pass on CPU (cpu_kernels.greedy_op), else the torch ops."""
         self.cpu_nucleus_mask = cpu_nucleus_mask
+        self.cpu_greedy = cpu_greedy
 
     def __call__(
         self,
@@ -115,7 +118,7 @@ class Sampler:
         if len(worked) == n:
             return self._work(logits, params, generators, output_token_ids, prompt_token_ids, banned_token_ids,
                               grammar, draft_token_ids, allowed_token_ids)
-        tokens, logprobs = greedy_or_invalid(logits).tolist(), [None] * n  # no float copy of the logits
+        tokens, logprobs = self._greedy(logits).tolist(), [None] * n  # no float copy of the logits
         if worked:
             pick = lambda values: [values[i] for i in worked] if values is not None else None  # noqa: E731
             rows = torch.tensor(worked, device=logits.device)
@@ -187,10 +190,15 @@ class Sampler:
         penalties), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for a CUDA
         device (async scheduling). The same tokens as `__call__` gives them."""
         if all(_plain_greedy(p) for p in params):
-            return greedy_or_invalid(logits)
+            return self._greedy(logits)
         finite = finite_rows(logits)  # every entry finite: no mask here leaves a row without a candidate
         logits = logits.to(torch.float32, copy=True)
         return _marked_invalid(*self._sample(logits, params, generators, finite))
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.cpu_greedy is not None and logits.device.type == "cpu" and logits.stride(-1) == 1:
+            return self.cpu_greedy(logits, INVALID_TOKEN)
+        return greedy_or_invalid(logits)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                 finite: torch.Tensor, draft_token_ids: list[int | None] | None = None

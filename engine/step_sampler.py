@@ -13,9 +13,9 @@ from engine.structured_output import allowed_tokens
 
 
 class StepSampler:
-    def __init__(self, eos_token_ids: Collection[int], cpu_nucleus_mask=None):
+    def __init__(self, eos_token_ids: Collection[int], cpu_nucleus_mask=None, cpu_greedy=None):
         self.eos_token_ids = set(eos_token_ids)
-        self.sampler = Sampler(cpu_nucleus_mask)  # see Sampler: top-p in C++ on CPU, where built
+        self.sampler = Sampler(cpu_nucleus_mask, cpu_greedy)  # see Sampler: top-p and greedy in C++ on CPU, where built
 
     def __call__(self, step: StepLogits, drafts: dict[str, list[int]]) -> tuple[list[int], list]:
         """One token per logits row; a sequence with drafts has a row for each draft and one for the bonus token."""

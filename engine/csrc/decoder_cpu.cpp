@@ -40,8 +40,8 @@ constexpr int64_t kWeightsPerLayer = 18;  // the order of engine/models/llama.py
 
 // hidden [B, hidden_size]: the token embeddings of B single-token decodes. Runs every layer (RMSNorm with
 // the residual add, q/k/v, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
-// returns (hidden, residual) of the last layer, before the final norm. one_region: in one OpenMP region where the
-// weights allow (decode_region_cpu.cpp), else op by op as below.
+// returns (hidden, residual) of the last layer, before the final norm. one_region: all in one OpenMP region
+// (decode_region_cpu.cpp; an error where the weights do not allow it), else op by op as below.
 std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor> weights,
                                       std::vector<at::Tensor> kv_caches, at::Tensor positions,
                                       at::Tensor cos, at::Tensor sin, at::Tensor slots,
@@ -52,10 +52,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor>
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(layers * kWeightsPerLayer == static_cast<int64_t>(weights.size()) && kv_caches.size() == 2 * layers);
   if (one_region) {
-    if (auto out = decode_layers_in_region(hidden, weights, kv_caches, positions, cos, sin, slots, block_tables,
-                                           context_lens, heads, kv_heads, head_dim, eps, scaling, kWeightsPerLayer)) {
-      return *out;
-    }
+    auto out = decode_layers_in_region(hidden, weights, kv_caches, positions, cos, sin, slots, block_tables,
+                                       context_lens, heads, kv_heads, head_dim, eps, scaling, kWeightsPerLayer);
+    TORCH_CHECK(out, "one region takes interleaved GGUF blocks (an AVX-512 build), fp32 or bf16, head_dim 64 or 128");
+    return *out;
   }
   const int64_t batch = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   c10::optional<at::Tensor> residual;

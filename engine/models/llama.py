@@ -90,7 +90,7 @@ class LlamaModel(nn.Module):
         self.fused = None
         self.native_weights: list[torch.Tensor] | None = None  # on GGUF blocks; set by `use_native_decode`
         self.native_dense_weights: list[torch.Tensor] | None = None  # on oneDNN-packed weights
-        self.one_region = True  # the native call on blocks in one OpenMP region (decode_region_cpu.cpp); False: op by op
+        self.one_region = False  # the native call on blocks in one OpenMP region; set by `use_native_decode`
         self.lora_step: LoRAStep | None = None  # set by engine/models/lora.py's LoRAManager
         attention = self.layers[0].self_attn
         self.shape = (attention.heads, attention.kv_heads, attention.head_dim, cfg.rms_norm_eps, attention.scaling)
@@ -102,7 +102,7 @@ class LlamaModel(nn.Module):
             hidden, residual = self.fused.decode_layers(
                 hidden, weights, [t for pair in meta.kv_layers for t in pair], positions, self.rotary.cos,
                 self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape,
-                self.one_region)
+                self.one_region and weights is self.native_weights)
             return self.norm(hidden, residual)[0]
         return self.layers_forward(hidden, positions, meta)
 
@@ -129,7 +129,16 @@ class LlamaModel(nn.Module):
         on = enabled and getattr(self.fused, "decode_layers", None) is not None
         self.native_weights = _all_layers(self.layers, _block_weights) if on and all(m.blocks is not None for m in linears) else None
         self.native_dense_weights = _all_layers(self.layers, _packed_weights) if on and all(m.packed is not None for m in linears) else None
+        self.one_region = self.native_weights is not None and self._fits_one_region(linears)
         return self.native_weights is not None or self.native_dense_weights is not None
+
+    def _fits_one_region(self, linears: list[Linear]) -> bool:
+        """Whether the native call on the blocks can run in one OpenMP region (`engine/csrc/decode_region_cpu.cpp`:
+        1.2-1.3x a one-row step): every linear's blocks interleaved (the AVX-512 build), fp32 or bf16, head_dim 64 or
+        128; else it goes op by op."""
+        head_dim = self.shape[2]
+        return (all(m.blocks.codes.dim() == 3 for m in linears) and head_dim in (64, 128)
+                and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
 
     def native_decode_weights(self, num_tokens: int, meta: AttentionMetadata) -> list[torch.Tensor] | None:
         """The weights for one native call over all layers, or None (layer by layer): decodes only, with the C++

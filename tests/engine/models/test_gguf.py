@@ -117,7 +117,7 @@ def assert_within_the_bound(got, x, blocks, expected):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 10, 17])  # 1 and 2: the one-row and two-row integer chains
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("outputs", [80, 40])  # 40: not whole groups of 16 rows, so the file's layout on AVX-512 too
 def test_the_block_kernel_equals_the_dequantized_fp32_matmul(kind, rows, dtype, outputs):
