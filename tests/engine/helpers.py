@@ -71,3 +71,19 @@ def count_native_steps(native_model, monkeypatch, on) -> list[bool]:
 
     monkeypatch.setattr(native_model, "native_decode_weights", counted)
     return steps
+
+
+def logits_with_edge_rows(rows: int, vocab: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """Random rows, then rows that break a careless kernel: a tie across loads (and parts), a tie within one, the
+    max in the last column, a constant row, a NaN, +inf, -inf, a row all -inf."""
+    logits = torch.randn(rows + 8, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    edge = logits[rows:]
+    edge[0, [3, vocab - 2]] = 40.0  # the same max in the first and the last sweep
+    edge[1, [7, 8]] = 40.0
+    edge[2, vocab - 1] = 40.0
+    edge[3] = 0.5
+    edge[4, vocab // 2] = float("nan")
+    edge[5, 1] = float("inf")
+    edge[6, vocab - 1] = float("-inf")
+    edge[7] = float("-inf")
+    return logits.to(device)

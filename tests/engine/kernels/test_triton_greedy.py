@@ -6,6 +6,7 @@ import torch
 
 from engine.kernels.triton.greedy import COLUMNS_PER_LOAD, LOADS_PER_PART, greedy_or_invalid
 from engine.sampler import INVALID_TOKEN, _marked_invalid, greedy_and_finite
+from tests.engine.helpers import logits_with_edge_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -16,27 +17,11 @@ def torch_greedy(logits: torch.Tensor) -> torch.Tensor:
     return _marked_invalid(*greedy_and_finite(logits))
 
 
-def logits_with_edge_rows(rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """Random rows, then rows that break a careless kernel: a tie across loads (and parts), a tie within one, the
-    max in the last column, a constant row, a NaN, +inf, -inf, a row all -inf."""
-    logits = torch.randn(rows + 8, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
-    edge = logits[rows:]
-    edge[0, [3, vocab - 2]] = 40.0  # the same max in the first and the last sweep
-    edge[1, [7, 8]] = 40.0
-    edge[2, vocab - 1] = 40.0
-    edge[3] = 0.5
-    edge[4, vocab // 2] = float("nan")
-    edge[5, 1] = float("inf")
-    edge[6, vocab - 1] = float("-inf")
-    edge[7] = float("-inf")
-    return logits.to(DEVICE)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, vocab", [(1, 10), (5, 1000), (3, COLUMNS_PER_LOAD), (2, 3 * COLUMNS_PER_LOAD + 5),
                                          (1, PART), (2, 2 * PART + 1), (4, 49152)])
 def test_greedy_kernel_gives_the_torch_ops_tokens(dtype, rows, vocab):
-    logits = logits_with_edge_rows(rows, vocab, dtype)
+    logits = logits_with_edge_rows(rows, vocab, dtype, DEVICE)
     got = greedy_or_invalid(logits, INVALID_TOKEN)
     assert got.dtype == torch.long and torch.equal(got, torch_greedy(logits))
     assert got[-8:].tolist()[:4] == [3, 7, vocab - 1, 0] and got[-4:].tolist() == [INVALID_TOKEN] * 4
@@ -44,7 +29,7 @@ def test_greedy_kernel_gives_the_torch_ops_tokens(dtype, rows, vocab):
 
 def test_greedy_kernel_reads_rows_of_a_wider_buffer():
     """The graph's logits are a row slice of its largest bucket's output; the sampler may pass a strided view."""
-    logits = logits_with_edge_rows(6, 3000, torch.bfloat16)
+    logits = logits_with_edge_rows(6, 3000, torch.bfloat16, DEVICE)
     wide = torch.full((logits.shape[0], 3100), 99.0, dtype=logits.dtype, device=DEVICE)
     wide[:, :3000] = logits
     assert torch.equal(greedy_or_invalid(wide[:, :3000], INVALID_TOKEN), torch_greedy(logits))
