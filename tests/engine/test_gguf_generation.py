@@ -4,6 +4,7 @@ dense fp32 path."""
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.cpu_kernels import build_kernels
 from engine.layers.linear import Linear
 from tests.engine.helpers import assert_matches_hf, assert_varied, count_native_steps, load_hf_model
 from tests.engine.test_parity import varied_prompts
@@ -69,15 +70,19 @@ def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, 
         module.block_rows = 4  # not the crossover measured at load, which a busy machine can put at 0
     inner = llm.engine.model.model
     assert inner.native_weights is not None
+    assert inner.one_region == bool(build_kernels().interleaved_rows())  # the AVX-512 build: in one OpenMP region
     native_steps = count_native_steps(inner, monkeypatch, on=lambda weights: weights is inner.native_weights)
     prompts = varied_prompts(tokenizer)[:4]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    native = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+    generate = lambda: llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)  # noqa: E731
+    native = generate()
     assert sum(native_steps) >= 2 * (params.max_tokens - 1)
+    inner.one_region = False
+    op_by_op = generate()
     assert not inner.use_native_decode(False)
-    layered = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
-    for i, (a, b) in enumerate(zip(native, layered)):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, f"prompt {i}"
+    layered = generate()
+    for i, (a, b, c) in enumerate(zip(native, op_by_op, layered)):
+        assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == b.logprobs == c.logprobs, f"prompt {i}"
 
 
 def test_weight_bytes_report_the_blocks_and_the_dense_copies(gguf32, llm32):
