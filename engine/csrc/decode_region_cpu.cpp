@@ -72,6 +72,8 @@ void run_region(const RegionStep& s, const scalar_t* hidden_in, scalar_t* hidden
   RoundedRows rounded(B, std::max({H, q_size, I}));
   std::vector<float> y(B * std::max({qkv_n, H, 2 * I}));
   std::vector<scalar_t> normed(B * H), q(B * q_size), attention(B * q_size), gate_up(B * 2 * I), act(B * I), qkv(B * qkv_n);
+  const DecodeSplit split(s.context_lens, B, s.kv_heads);  // the same for every layer
+  std::vector<float> parts(split.any_split() ? split.items() * part_floats<kHeadDim>(group) : 0);
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
@@ -102,15 +104,26 @@ void run_region(const RegionStep& s, const scalar_t* hidden_in, scalar_t* hidden
         }
       }
 #pragma omp barrier
-      const int64_t tasks = B * s.kv_heads;
-      for (int64_t task = tasks * tid / team; task < tasks * (tid + 1) / team; ++task) {
-        decode_task<scalar_t, kHeadDim>(task, q.data(), static_cast<const scalar_t*>(layer.k_cache),
-                                        static_cast<const scalar_t*>(layer.v_cache), s.block_tables, s.context_lens,
-                                        attention.data(), s.heads, s.kv_heads, s.num_blocks, s.block_size,
-                                        s.max_blocks, s.scale, room);
-        // the task's heads are whole blocks of the o projection's input: rounded here, without another barrier
+      const DecodeArgs<scalar_t> args{q.data(), static_cast<const scalar_t*>(layer.k_cache),
+                                      static_cast<const scalar_t*>(layer.v_cache), s.block_tables, s.context_lens,
+                                      attention.data(), s.heads, s.kv_heads, s.num_blocks, s.block_size,
+                                      s.max_blocks, s.scale};
+      // a task's heads are whole blocks of the o projection's input: rounded as each is done, without a barrier
+      const auto round_task = [&](int64_t task) {
         const int64_t r = task / s.kv_heads, first = (task % s.kv_heads) * group * kHeadDim;
         rounded.round(attention.data() + r * q_size + first, r, q_size, first, group * kHeadDim);
+      };
+      for (int64_t item = split.items() * tid / team; item < split.items() * (tid + 1) / team; ++item) {
+        decode_item<scalar_t, kHeadDim>(item, split, args, parts.data(), room);
+        if (!split.split(split.task_of(item))) round_task(split.task_of(item));
+      }
+      if (split.any_split()) {
+#pragma omp barrier
+        for (int64_t task = split.tasks() * tid / team; task < split.tasks() * (tid + 1) / team; ++task) {
+          if (!split.split(task)) continue;
+          merge_parts<scalar_t, kHeadDim>(task, split, args, parts.data());
+          round_task(task);
+        }
       }
 #pragma omp barrier
       layer.o.share(rounded.rows(q_size), B, y.data(), tid, team);

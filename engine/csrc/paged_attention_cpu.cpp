@@ -60,14 +60,21 @@ static inline void axpy(float p, const float* x, float* y, int64_t n) {
 }
 #endif
 
-// In place: scores of one query head over its context -> attention weights.
-static inline void softmax(float* s, int64_t len) {
+// In place: scores -> exp(score - their peak); returns the sum, and the peak in *peak_out.
+static inline float exp_in_place(float* s, int64_t len, float* peak_out) {
   float peak = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < len; ++t) peak = std::max(peak, s[t]);
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t t = 0; t < len; ++t) { s[t] = std::exp(s[t] - peak); total += s[t]; }
-  const float inv = 1.f / total;
+  *peak_out = peak;
+  return total;
+}
+
+// In place: scores of one query head over its context -> attention weights.
+static inline void softmax(float* s, int64_t len) {
+  float peak;
+  const float inv = 1.f / exp_in_place(s, len, &peak);
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
 
@@ -227,9 +234,9 @@ static void key_scores(const scalar_t* q_group, const scalar_t* k_head, BlockWal
 
 // out[g] = sum over t of scores[g * padded + t] * V[t], for kChunk query heads at once: the accumulators stay in
 // registers (a loop over a run-time group kept them in memory, one store-to-load chain per key).
-template <typename scalar_t, int64_t kHeadDim, int kChunk>
+template <typename scalar_t, int64_t kHeadDim, int kChunk, typename out_t = scalar_t>
 static void weighted_values(const scalar_t* v_head, BlockWalk rows, int64_t len, const float* scores, int64_t padded,
-                            scalar_t* out) {
+                            out_t* out) {
   constexpr int64_t kVecs = kHeadDim / 16, kRowBytes = kHeadDim * sizeof(scalar_t);
   __m512 acc[kChunk][kVecs];
   for (int g = 0; g < kChunk; ++g)
@@ -250,7 +257,7 @@ static void weighted_values(const scalar_t* v_head, BlockWalk rows, int64_t len,
   for (int g = 0; g < kChunk; ++g)
     for (int64_t i = 0; i < kVecs; ++i) {
       _mm512_store_ps(lanes, acc[g][i]);
-      for (int64_t d = 0; d < 16; ++d) out[g * kHeadDim + i * 16 + d] = static_cast<scalar_t>(lanes[d]);
+      for (int64_t d = 0; d < 16; ++d) out[g * kHeadDim + i * 16 + d] = static_cast<out_t>(lanes[d]);
     }
 }
 
@@ -261,28 +268,52 @@ struct DecodeRoom {
   DecodeRoom(int64_t group, int64_t head_dim) : qv(group * (head_dim / 16)), partial(group * 16) {}
 };
 
-// head_dim a multiple of 16, fixed at compile time. One task is one sequence's KV head: scores of its query-head
-// group, softmax, then the weighted values, in chunks of query heads whose accumulators fit the 32 registers.
-template <typename scalar_t, int64_t kHeadDim>
-static void decode_task(int64_t task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
-                        const int64_t* block_tables, const int64_t* context_lens, scalar_t* out, int64_t heads,
-                        int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
-                        DecodeRoom& room) {
-  constexpr int64_t kVecs = kHeadDim / 16;
-  constexpr int kMaxChunk = kVecs <= 5 ? 4 : 2;
-  const int64_t group = heads / kv_heads;
-  const int64_t head_stride = num_blocks * block_size * kHeadDim;
-  const int64_t b = task / kv_heads, kvh = task % kv_heads, len = context_lens[b];
-  const BlockWalk rows(block_tables + b * max_blocks, block_size, kHeadDim);
-  const int64_t padded = (len + 15) / 16 * 16, first_head = b * heads + kvh * group;
-  room.scores.resize(group * padded);
-  key_scores<scalar_t, kHeadDim>(q + first_head * kHeadDim, k_cache + kvh * head_stride, rows, len, group, scale,
-                                 room.qv.data(), room.partial.data(), room.scores.data(), padded);
-  for (int64_t g = 0; g < group; ++g) softmax(room.scores.data() + g * padded, len);
-  const scalar_t* v_head = v_cache + kvh * head_stride;
+// One layer's decode attention: query [B, heads, D], caches [kv_heads, num_blocks, block_size, D], out like query.
+template <typename scalar_t>
+struct DecodeArgs {
+  const scalar_t *q, *k_cache, *v_cache;
+  const int64_t *block_tables, *context_lens;
+  scalar_t* out;
+  int64_t heads, kv_heads, num_blocks, block_size, max_blocks;
+  float scale;
+  int64_t group() const { return heads / kv_heads; }
+};
+
+// A context's keys in parts of this many, each part a work item, merged after (vLLM's paged attention v2 splits by
+// 512 too): one sequence's 3 KV heads on 2 threads left one thread idle a third of the attention, and past ~1,000
+// keys attention is most of a one-row step. Shorter contexts stay one item a KV head.
+constexpr int64_t kKeysPerPart = 512;
+
+// A step's items: item i is part (i - first[task]) of task (sequence task / kv_heads, KV head task % kv_heads).
+struct DecodeSplit {
+  std::vector<int64_t> first;
+  DecodeSplit(const int64_t* context_lens, int64_t batch, int64_t kv_heads) : first(batch * kv_heads + 1, 0) {
+    for (int64_t task = 0; task < batch * kv_heads; ++task)
+      first[task + 1] = first[task] + (context_lens[task / kv_heads] + kKeysPerPart - 1) / kKeysPerPart;
+  }
+  int64_t tasks() const { return static_cast<int64_t>(first.size()) - 1; }
+  int64_t items() const { return first.back(); }
+  bool any_split() const { return items() > tasks(); }
+  bool split(int64_t task) const { return first[task + 1] - first[task] > 1; }
+  int64_t task_of(int64_t item) const {
+    return std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+  }
+};
+
+// A split part's result per query head: its unnormalized weighted values [group][D], then its score peaks [group]
+// and its sums of exp(score - peak) [group].
+template <int64_t kHeadDim>
+constexpr int64_t part_floats(int64_t group) { return group * (kHeadDim + 2); }
+
+// The weighted values of a group's query heads over keys [first, first + len), in chunks whose accumulators fit
+// the 32 registers; `scores` already weights (normalized or not), `out` [group][D].
+template <typename scalar_t, int64_t kHeadDim, typename out_t>
+static void group_values(const scalar_t* v_head, BlockWalk rows, int64_t len, const float* scores, int64_t padded,
+                         int64_t group, out_t* out) {
+  constexpr int kMaxChunk = kHeadDim / 16 <= 5 ? 4 : 2;
   for (int64_t g = 0; g < group; g += kMaxChunk) {
-    const float* s = room.scores.data() + g * padded;
-    scalar_t* o = out + (first_head + g) * kHeadDim;
+    const float* s = scores + g * padded;
+    out_t* o = out + g * kHeadDim;
     switch (std::min<int64_t>(kMaxChunk, group - g)) {
       case 1: weighted_values<scalar_t, kHeadDim, 1>(v_head, rows, len, s, padded, o); break;
       case 2: weighted_values<scalar_t, kHeadDim, 2>(v_head, rows, len, s, padded, o); break;
@@ -292,16 +323,78 @@ static void decode_task(int64_t task, const scalar_t* q, const scalar_t* k_cache
   }
 }
 
+// Part `part` of a task (all of it when part < 0): scores of its query-head group over those keys, then either the
+// softmax and the output (whole) or the part's values, peaks and sums (part_out, see part_floats).
+template <typename scalar_t, int64_t kHeadDim>
+static void decode_keys(int64_t task, int64_t part, const DecodeArgs<scalar_t>& a, float* part_out, DecodeRoom& room) {
+  const int64_t group = a.group(), head_stride = a.num_blocks * a.block_size * kHeadDim;
+  const int64_t b = task / a.kv_heads, kvh = task % a.kv_heads, first_head = b * a.heads + kvh * group;
+  const int64_t first = part < 0 ? 0 : part * kKeysPerPart;
+  const int64_t len = part < 0 ? a.context_lens[b] : std::min(kKeysPerPart, a.context_lens[b] - first);
+  BlockWalk rows(a.block_tables + b * a.max_blocks, a.block_size, kHeadDim);
+  rows.block = first / a.block_size;
+  rows.offset = first % a.block_size;
+  const int64_t padded = (len + 15) / 16 * 16;
+  room.scores.resize(group * padded);
+  float* scores = room.scores.data();
+  key_scores<scalar_t, kHeadDim>(a.q + first_head * kHeadDim, a.k_cache + kvh * head_stride, rows, len, group, a.scale,
+                                 room.qv.data(), room.partial.data(), scores, padded);
+  const scalar_t* v_head = a.v_cache + kvh * head_stride;
+  if (part < 0) {
+    for (int64_t g = 0; g < group; ++g) softmax(scores + g * padded, len);
+    return group_values<scalar_t, kHeadDim>(v_head, rows, len, scores, padded, group, a.out + first_head * kHeadDim);
+  }
+  float *peaks = part_out + group * kHeadDim, *sums = peaks + group;
+  for (int64_t g = 0; g < group; ++g) sums[g] = exp_in_place(scores + g * padded, len, peaks + g);
+  group_values<scalar_t, kHeadDim>(v_head, rows, len, scores, padded, group, part_out);
+}
+
+// One item of a step's split: a whole task, or one part of a split one into `parts` (items x part_floats).
+template <typename scalar_t, int64_t kHeadDim>
+static void decode_item(int64_t item, const DecodeSplit& split, const DecodeArgs<scalar_t>& a, float* parts,
+                        DecodeRoom& room) {
+  const int64_t task = split.task_of(item);
+  if (!split.split(task)) return decode_keys<scalar_t, kHeadDim>(task, -1, a, nullptr, room);
+  decode_keys<scalar_t, kHeadDim>(task, item - split.first[task], a, parts + item * part_floats<kHeadDim>(a.group()),
+                                  room);
+}
+
+// A split task's output from its parts: each part's values and sum rescaled by exp(its peak - the highest peak).
+template <typename scalar_t, int64_t kHeadDim>
+static void merge_parts(int64_t task, const DecodeSplit& split, const DecodeArgs<scalar_t>& a, const float* parts) {
+  const int64_t group = a.group(), stride = part_floats<kHeadDim>(group);
+  const int64_t count = split.first[task + 1] - split.first[task];
+  const float* base = parts + split.first[task] * stride;
+  scalar_t* out = a.out + ((task / a.kv_heads) * a.heads + (task % a.kv_heads) * group) * kHeadDim;
+  for (int64_t g = 0; g < group; ++g) {
+    float peak = -std::numeric_limits<float>::infinity(), total = 0.f, acc[kHeadDim] = {};
+    for (int64_t p = 0; p < count; ++p) peak = std::max(peak, base[p * stride + group * kHeadDim + g]);
+    for (int64_t p = 0; p < count; ++p) {
+      const float* part = base + p * stride;
+      const float weight = std::exp(part[group * kHeadDim + g] - peak);
+      total += weight * part[group * kHeadDim + group + g];
+      for (int64_t d = 0; d < kHeadDim; ++d) acc[d] += weight * part[g * kHeadDim + d];
+    }
+    for (int64_t d = 0; d < kHeadDim; ++d) out[g * kHeadDim + d] = static_cast<scalar_t>(acc[d] / total);
+  }
+}
+
 template <typename scalar_t, int64_t kHeadDim>
 static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
                           const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    DecodeRoom room(heads / kv_heads, kHeadDim);
-    for (int64_t task = begin; task < end; ++task) {
-      decode_task<scalar_t, kHeadDim>(task, q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads,
-                                      num_blocks, block_size, max_blocks, scale, room);
-    }
+  const DecodeArgs<scalar_t> args{q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads, num_blocks,
+                                  block_size, max_blocks, scale};
+  const DecodeSplit split(context_lens, batch, kv_heads);
+  std::vector<float> parts(split.any_split() ? split.items() * part_floats<kHeadDim>(args.group()) : 0);
+  at::parallel_for(0, split.items(), 1, [&](int64_t begin, int64_t end) {
+    DecodeRoom room(args.group(), kHeadDim);
+    for (int64_t item = begin; item < end; ++item) decode_item<scalar_t, kHeadDim>(item, split, args, parts.data(), room);
+  });
+  if (!split.any_split()) return;
+  at::parallel_for(0, split.tasks(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task)
+      if (split.split(task)) merge_parts<scalar_t, kHeadDim>(task, split, args, parts.data());
   });
 }
 #endif

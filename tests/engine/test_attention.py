@@ -91,6 +91,26 @@ def test_decode_at_other_block_sizes_and_head_groups(decode_fn, block_size, head
         torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [16, 24])  # 24: the parts' boundaries fall inside blocks
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_decode_over_long_contexts_split_into_parts(decode_fn, block_size, dtype, tolerance):
+    """Past 512 keys the kernel scores each part of a context as its own work item and merges the parts' softmax
+    sums: lengths on either side of the parts' edges, and one sequence short enough to stay whole beside them."""
+    g = torch.Generator().manual_seed(block_size)
+    num_blocks = 160
+    k_cache, v_cache = (torch.randn(KV_HEADS, num_blocks, block_size, 64, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([511, 512, 513, 1025, 2100, 40])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), HEADS, 64, generator=g).to(dtype)
+    got = decode_fn(q, k_cache, v_cache, tables, lens).float()
+    for b, n in enumerate(lens.tolist()):
+        k = k_cache[:, tables[b]].reshape(KV_HEADS, -1, 64)[:, :n].float()
+        v = v_cache[:, tables[b]].reshape(KV_HEADS, -1, 64)[:, :n].float()
+        want = F.scaled_dot_product_attention(q[b].unsqueeze(1).float(), k, v, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(got[b], want, atol=tolerance, rtol=tolerance)
+
+
 def test_bf16_decode_with_a_large_head_group(decode_fn):
     """32 query heads on one KV head (multi-query attention), bf16: the AVX512_BF16 key scoring keeps every head's query."""
     g = torch.Generator().manual_seed(7)
