@@ -21,7 +21,7 @@ def linear(kind: str, outputs: int, inputs: int, seed: int, dtype, bias: bool) -
     return [packed.codes, packed.scales, packed.mins, b]
 
 
-def random_step(rows, heads, kv_heads, head_dim, dtype, bias, layers=2, hidden=128, inner=96):
+def random_step(rows, heads, kv_heads, head_dim, dtype, bias, layers=2, hidden=128, inner=96, width=6):
     g = torch.Generator().manual_seed(rows * 100 + head_dim)
     weights = []
     for layer in range(layers):
@@ -32,7 +32,6 @@ def random_step(rows, heads, kv_heads, head_dim, dtype, bias, layers=2, hidden=1
                     *linear(kinds[1], hidden, heads * head_dim, 10 * layer + 2, dtype, bias), norm(),
                     *linear(kinds[0], 2 * inner, hidden, 10 * layer + 3, dtype, bias),
                     *linear(kinds[1], hidden, inner, 10 * layer + 4, dtype, bias)]
-    width = 6
     num_blocks = rows * width + 2
     caches = [torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=g).to(dtype) for _ in range(2 * layers)]
     tables = torch.randperm(num_blocks, generator=g)[: rows * width].view(rows, width)
@@ -49,9 +48,21 @@ def random_step(rows, heads, kv_heads, head_dim, dtype, bias, layers=2, hidden=1
 @pytest.mark.parametrize("rows", [1, 2, 3, 9])
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_region_gives_the_op_by_op_numbers(dtype, heads, kv_heads, head_dim, rows, bias):
+    assert_region_equals_op_by_op(random_step(rows, heads, kv_heads, head_dim, dtype, bias), heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_region_over_contexts_split_into_parts(dtype, rows):
+    """Contexts up to 1,280 keys: the attention's parts (past 512 keys) merged inside the region too."""
+    step = random_step(rows, 6, 2, 64, dtype, False, width=80)
+    assert step[-1].max() > 512
+    assert_region_equals_op_by_op(step, 6, 2, 64)
+
+
+def assert_region_equals_op_by_op(step, heads, kv_heads, head_dim):
     kernels = build_kernels()
-    hidden_in, weights, caches, positions, cos, sin, slots, tables, lens = random_step(
-        rows, heads, kv_heads, head_dim, dtype, bias)
+    hidden_in, weights, caches, positions, cos, sin, slots, tables, lens = step
     results = {}
     for one_region in (False, True):
         pool = [c.clone() for c in caches]
