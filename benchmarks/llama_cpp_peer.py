@@ -35,8 +35,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt", default="Hello")
     args = parser.parse_args()
-    llm = llama_cpp.Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
-                          verbose=False)
+    n_ctx = max(1024, args.tokens + 256)  # room for the prompt and every token
+    # n_batch: llama-cpp-python keeps that many rows of scores, indexed by position (512 by default)
+    llm = llama_cpp.Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=n_ctx,
+                          n_batch=n_ctx, verbose=False)
     prompt = llm.tokenize(args.prompt.encode(), add_bos=False)
     gaps: list[float] = []
     for run in range(args.runs + 1):

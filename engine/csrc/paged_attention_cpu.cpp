@@ -280,8 +280,9 @@ struct DecodeArgs {
 };
 
 // A context's keys in parts of this many, each part a work item, merged after (vLLM's paged attention v2 splits by
-// 512 too): one sequence's 3 KV heads on 2 threads left one thread idle a third of the attention, and past ~1,000
-// keys attention is most of a one-row step. Shorter contexts stay one item a KV head.
+// 512 too): one sequence's 3 KV heads on 2 threads left one thread idle a third of the attention (one row, 30
+// layers, bf16: 3.15 -> 2.55 ms at 3,000 keys, 1.56 -> 1.38 at 1,500; 4 rows unchanged; 1,024-key parts gained
+// half as much). A fixed size, not one fitted to the batch, so a sequence's numbers never depend on its batch.
 constexpr int64_t kKeysPerPart = 512;
 
 // A step's items: item i is part (i - first[task]) of task (sequence task / kv_heads, KV head task % kv_heads).
