@@ -151,7 +151,7 @@ def main(variants: str = "dense-float32,gguf-float32,gguf-bfloat16", concurrency
     bandwidth = read_bandwidth_gbs(threads)
     levels = [int(c) for c in concurrency.split(",")]
     rows: list[dict] = []
-    for variant in tqdm(variants.split(","), desc="variants"):
+    for variant in tqdm([v for v in variants.split(",") if v], desc="variants"):  # "": the server alone
         llm = engine_for(variant, threads)
         offline_itl(llm, 1, 8)  # warm-up
         for level in levels:

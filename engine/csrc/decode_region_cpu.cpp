@@ -2,8 +2,9 @@
 // graph: the threads split each matmul's row groups and each attention's KV heads, meet at a barrier between phases,
 // and nothing in between allocates, dispatches or forks a team. Through ATen, op by op (decoder_cpu.cpp's loop), a
 // one-row step of SmolLM2's Q4_1 blocks on 2 cores spent ~1.9 ms of its 4.6 ms of layers outside the matmuls, with
-// the second thread idle half the step. The arithmetic is that loop's, op for op (the same row functions and the same
-// roundings, see decoder_cpu.cpp), so the two give the same numbers.
+// the second thread idle half the step; in one region the step took 5.7 ms against 6.8 (AMX Xeon, BENCHMARKS.md).
+// The arithmetic is that loop's, op for op (the same row functions and the same roundings, see decoder_cpu.cpp), so
+// the two give the same numbers.
 #include <omp.h>
 
 namespace {
