@@ -87,7 +87,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len)
         on_cpu = self.device.type == "cpu"
-        self.sampler = StepSampler(self.eos_token_ids, nucleus_mask_op() if on_cpu else None, greedy_op() if on_cpu else None)
+        self.sampler = StepSampler(self.eos_token_ids, nucleus_mask_op() if on_cpu else None,
+                                   greedy_op() if on_cpu else None)
         self.inbox = RequestInbox(config.max_waiting, lambda: len(self.scheduler.waiting) + len(self.parked))
         self.parked: list[Sequence] = []  # requests whose adapter is loading (lora_root), out of the scheduler
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None

@@ -97,10 +97,13 @@ def test_one_region_refuses_what_it_cannot_run():
 
 def test_one_region_checks_slots_and_positions_before_it_starts():
     kernels = build_kernels()
-    hidden_in, weights, caches, positions, cos, sin, slots, tables, lens = random_step(2, 4, 2, 64, torch.float32, False)
-    call = lambda **kw: kernels.decode_layers(  # noqa: E731
-        hidden_in, weights, caches, kw.get("positions", positions), cos, sin, kw.get("slots", slots), tables, lens,
-        4, 2, 64, 1e-5, 0.125, True)
+    hidden_in, weights, caches, positions, cos, sin, slots, tables, lens = random_step(2, 4, 2, 64, torch.float32,
+                                                                                       False)
+
+    def call(**kw):
+        return kernels.decode_layers(hidden_in, weights, caches, kw.get("positions", positions), cos, sin,
+                                     kw.get("slots", slots), tables, lens, 4, 2, 64, 1e-5, 0.125, True)
+
     with pytest.raises(RuntimeError, match="slot out of the pool"):
         call(slots=torch.tensor([0, caches[0].shape[1] * BLOCK_SIZE]))
     with pytest.raises(RuntimeError, match="position outside the rotary table"):

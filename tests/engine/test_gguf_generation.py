@@ -74,7 +74,9 @@ def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, 
     native_steps = count_native_steps(inner, monkeypatch, on=lambda weights: weights is inner.native_weights)
     prompts = varied_prompts(tokenizer)[:4]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    generate = lambda: llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)  # noqa: E731
+    def generate():
+        return llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+
     native = generate()
     assert sum(native_steps) >= 2 * (params.max_tokens - 1)
     inner.one_region = False
