@@ -116,7 +116,7 @@ void run_region(const RegionStep& s, const scalar_t* hidden_in, scalar_t* hidden
       };
       for (int64_t item = split.items() * tid / team; item < split.items() * (tid + 1) / team; ++item) {
         decode_item<scalar_t, kHeadDim>(item, split, args, parts.data(), room);
-        if (!split.split(split.task_of(item))) round_task(split.task_of(item));
+        if (const int64_t task = split.task_of(item); !split.split(task)) round_task(task);
       }
       if (split.any_split()) {
 #pragma omp barrier
@@ -184,7 +184,7 @@ std::optional<std::vector<at::Tensor>> decode_layers_in_region(
   const auto dtype = hidden_in.scalar_type();
   if ((dtype != at::kFloat && dtype != at::kBFloat16) || (head_dim != 64 && head_dim != 128)) return std::nullopt;
   RegionStep step;
-  step.float_biases.reserve(4 * kv_caches.size());  // pointers into it stay valid: no reallocation
+  step.float_biases.reserve(4 * weights.size() / weights_per_layer);  // 4 linears a layer: pointers stay valid
   step.batch = hidden_in.size(0);
   step.hidden = hidden_in.size(1);
   step.heads = heads;
