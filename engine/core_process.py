@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -19,6 +20,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core_messages import CoreFailed, CoreInputs, CoreOutput, CoreOutputs, CoreReady, CoreSetup, EngineRequest
+from engine.cpu_contention import threads_runnable_elsewhere
 from engine.engine_stats import EngineStats
 from engine.errors import EngineOverloadedError
 from engine.llm_engine import LLMEngine
@@ -76,9 +78,11 @@ def _exit_with_parent(socket_dir: str) -> None:
 
 
 class CoreLoop:
-    def __init__(self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, loop_threads: int):
+    def __init__(self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, loop_threads: int,
+                 runnable_elsewhere: Callable[[], int] = threads_runnable_elsewhere):
         self.engine = engine
         self.loop_threads = loop_threads
+        self.runnable_elsewhere = runnable_elsewhere
         self.inputs, self.outputs = inputs, outputs
         self.decoder = msgspec.msgpack.Decoder(CoreInputs)
         self.encoder = msgspec.msgpack.Encoder()
@@ -140,13 +144,16 @@ class CoreLoop:
             self._add(request)  # a grammar that failed to compile fails again here, as this request's refusal
 
     def _share_cores(self) -> None:
-        """On a CPU, steps leave one core to a running compile. Sharing one would slow the step far more than the
-        core it gives up: its OpenMP threads split each op evenly and wait for the slowest at every barrier (one
-        decode beside 24 compiles here: 28 ms a step alone, 31 ms median but 150-290 ms at p90/max sharing, 44-46 ms
-        median and 55 ms max on one core fewer; BENCHMARKS.md)."""
+        """On a CPU, a step leaves one core to whoever else wants one as it starts: a running compile here, or
+        another process (the replica checking new schemas, the ingress reading bodies, Ray's daemons). Sharing a
+        core would slow the step far more than the core it gives up: its OpenMP threads split each op evenly and wait
+        for the slowest at every barrier (one decode beside 24 compiles: 28 ms a step alone, 150-290 ms at p90/max
+        sharing, 44-46 ms median on one core fewer; beside the replica's schema checks, steps of 0.28-0.72 s where
+        they take 40 ms; BENCHMARKS.md)."""
         if self.engine.device.type != "cpu" or self.loop_threads < 2:
             return
-        threads = self.loop_threads - 1 if self.compiling else self.loop_threads
+        shared = self.compiling or self.runnable_elsewhere() > 0
+        threads = self.loop_threads - 1 if shared else self.loop_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # under a microsecond; OpenMP keeps its pool
 
