@@ -31,6 +31,10 @@ from engine.step_stats import freeze_gc_heap
 log = logging.getLogger("engine.core")
 IDLE_POLL_MS = 500
 COMPILE_POLL_MS = 5  # how often an otherwise idle loop looks for a finished grammar
+# Past this many requests a step's ops are long enough between barriers that two threads sharing a core beat one:
+# with other processes runnable (served, on 2 cores), one thread fewer matched two at 8 and 32 streams with a lower
+# p95, and cost 7-19% of decode speed at 64 (BENCHMARKS.md, forty-sixth session).
+SHARE_WITH_OTHERS_MAX_REQUESTS = 32
 
 
 def main() -> int:
@@ -144,15 +148,16 @@ class CoreLoop:
             self._add(request)  # a grammar that failed to compile fails again here, as this request's refusal
 
     def _share_cores(self) -> None:
-        """On a CPU, a step leaves one core to whoever else wants one as it starts: a running compile here, or
-        another process (the replica checking new schemas, the ingress reading bodies, Ray's daemons). Sharing a
-        core would slow the step far more than the core it gives up: its OpenMP threads split each op evenly and wait
-        for the slowest at every barrier (one decode beside 24 compiles: 28 ms a step alone, 150-290 ms at p90/max
-        sharing, 44-46 ms median on one core fewer; beside the replica's schema checks, steps of 0.28-0.72 s where
-        they take 40 ms; BENCHMARKS.md)."""
+        """On a CPU, a step leaves one core to whoever else wants one as it starts: a running compile here, or,
+        while the batch is small, another process (the replica checking new schemas, the ingress reading bodies,
+        Ray's daemons). Sharing a core would slow a small step far more than the core it gives up: its OpenMP threads
+        split each op evenly and wait for the slowest at every barrier (one decode beside 24 compiles: 28 ms a step
+        alone, 150-290 ms at p90/max sharing, 44-46 ms median on one core fewer; beside the replica's schema checks,
+        steps of 0.28-0.72 s where they take 40 ms; BENCHMARKS.md)."""
         if self.engine.device.type != "cpu" or self.loop_threads < 2:
             return
-        shared = self.compiling or self.runnable_elsewhere() > 0
+        small = self.engine.scheduler.num_unfinished <= SHARE_WITH_OTHERS_MAX_REQUESTS
+        shared = self.compiling or (small and self.runnable_elsewhere() > 0)
         threads = self.loop_threads - 1 if shared else self.loop_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # under a microsecond; OpenMP keeps its pool

@@ -11,12 +11,13 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import AsyncLLMEngine, EngineDeadError, SamplingParams
-from engine.core_process import CoreLoop
+from engine.core_process import SHARE_WITH_OTHERS_MAX_REQUESTS, CoreLoop
 from engine.host_memory import HEAP_ON_HUGE_PAGES
 from engine.metrics import PrometheusSink, StepMetrics
 from tests.engine.test_cpu_contention import busy_processes
@@ -225,6 +226,26 @@ def test_steps_leave_a_core_to_a_grammar_compile_while_one_runs(llm32):
         assert torch.get_num_threads() == 2
     finally:
         compile_done.set()
+        loop.compiler.shutdown()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("requests,threads_left", [(SHARE_WITH_OTHERS_MAX_REQUESTS, 1),
+                                                    (SHARE_WITH_OTHERS_MAX_REQUESTS + 1, 2)])
+def test_a_large_batch_keeps_every_core_beside_other_processes(requests, threads_left):
+    """Past SHARE_WITH_OTHERS_MAX_REQUESTS a step's ops are long between barriers and two threads sharing a core beat
+    one (64 served streams: one thread cost 7-19%), so others being runnable no longer takes a core; a compile still
+    does. The engine is a stand-in: this is the rule alone."""
+    threads = torch.get_num_threads()
+    engine = SimpleNamespace(device=torch.device("cpu"), scheduler=SimpleNamespace(num_unfinished=requests))
+    loop = CoreLoop(engine, inputs=None, outputs=None, loop_threads=2, runnable_elsewhere=lambda: 1)
+    try:
+        loop._share_cores()
+        assert torch.get_num_threads() == threads_left
+        loop.compiling.append((None, None))
+        loop._share_cores()
+        assert torch.get_num_threads() == 1
+    finally:
         loop.compiler.shutdown()
         torch.set_num_threads(threads)
 
