@@ -6,6 +6,7 @@ front end sent (requests, aborts), run a step, send one CoreOutputs. It exits wh
 closes, which happens when the parent dies however it dies."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -31,10 +32,11 @@ from engine.step_stats import freeze_gc_heap
 log = logging.getLogger("engine.core")
 IDLE_POLL_MS = 500
 COMPILE_POLL_MS = 5  # how often an otherwise idle loop looks for a finished grammar
-# Past this many requests a step's ops are long enough between barriers that two threads sharing a core beat one:
-# with other processes runnable (served, on 2 cores), one thread fewer matched two at 8 and 32 streams with a lower
-# p95, and cost 7-19% of decode speed at 64 (BENCHMARKS.md, forty-sixth session).
-SHARE_WITH_OTHERS_MAX_REQUESTS = 32
+# Past this many tokens to compute a step's ops are long enough between barriers that two threads sharing a core
+# beat one: with other processes runnable (served, on 2 cores), one thread fewer matched two at 8 and 32 decoding
+# streams with a lower p95, but cost 7-19% of decode speed at 64 streams and 45% of a step's time beside scored
+# 4,090-token prompts (BENCHMARKS.md, forty-sixth session).
+SHARE_WITH_OTHERS_MAX_TOKENS = 32
 
 
 def main() -> int:
@@ -149,18 +151,26 @@ class CoreLoop:
 
     def _share_cores(self) -> None:
         """On a CPU, a step leaves one core to whoever else wants one as it starts: a running compile here, or,
-        while the batch is small, another process (the replica checking new schemas, the ingress reading bodies,
-        Ray's daemons). Sharing a core would slow a small step far more than the core it gives up: its OpenMP threads
-        split each op evenly and wait for the slowest at every barrier (one decode beside 24 compiles: 28 ms a step
-        alone, 150-290 ms at p90/max sharing, 44-46 ms median on one core fewer; beside the replica's schema checks,
-        steps of 0.28-0.72 s where they take 40 ms; BENCHMARKS.md)."""
+        while the requests in have few tokens left to compute, another process (the replica checking new schemas,
+        the ingress reading bodies, Ray's daemons). Sharing a core would slow a small step far more than the core it
+        gives up: its OpenMP threads split each op evenly and wait for the slowest at every barrier (one decode
+        beside 24 compiles: 28 ms a step alone, 150-290 ms at p90/max sharing, 44-46 ms median on one core fewer;
+        beside the replica's schema checks, steps of 0.28-0.72 s where they take 40 ms; BENCHMARKS.md)."""
         if self.engine.device.type != "cpu" or self.loop_threads < 2:
             return
-        small = self.engine.scheduler.num_unfinished <= SHARE_WITH_OTHERS_MAX_REQUESTS
-        shared = self.compiling or (small and self.runnable_elsewhere() > 0)
+        shared = self.compiling or (self._few_tokens_to_compute() and self.runnable_elsewhere() > 0)
         threads = self.loop_threads - 1 if shared else self.loop_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # under a microsecond; OpenMP keeps its pool
+
+    def _few_tokens_to_compute(self) -> bool:
+        """Whether the requests in, running or waiting, have at most SHARE_WITH_OTHERS_MAX_TOKENS left to compute."""
+        tokens = 0
+        for seq in itertools.chain(self.engine.scheduler.running, self.engine.scheduler.waiting):
+            tokens += seq.num_uncomputed_tokens
+            if tokens > SHARE_WITH_OTHERS_MAX_TOKENS:
+                return False
+        return True
 
     def _add(self, request: EngineRequest) -> None:
         try:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import AsyncLLMEngine, EngineDeadError, SamplingParams
-from engine.core_process import SHARE_WITH_OTHERS_MAX_REQUESTS, CoreLoop
+from engine.core_process import SHARE_WITH_OTHERS_MAX_TOKENS, CoreLoop
 from engine.host_memory import HEAP_ON_HUGE_PAGES
 from engine.metrics import PrometheusSink, StepMetrics
 from tests.engine.test_cpu_contention import busy_processes
@@ -230,14 +230,24 @@ def test_steps_leave_a_core_to_a_grammar_compile_while_one_runs(llm32):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("requests,threads_left", [(SHARE_WITH_OTHERS_MAX_REQUESTS, 1),
-                                                    (SHARE_WITH_OTHERS_MAX_REQUESTS + 1, 2)])
-def test_a_large_batch_keeps_every_core_beside_other_processes(requests, threads_left):
-    """Past SHARE_WITH_OTHERS_MAX_REQUESTS a step's ops are long between barriers and two threads sharing a core beat
-    one (64 served streams: one thread cost 7-19%), so others being runnable no longer takes a core; a compile still
-    does. The engine is a stand-in: this is the rule alone."""
+def requests_left(*tokens: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(num_uncomputed_tokens=n) for n in tokens]
+
+
+@pytest.mark.parametrize("running,waiting,threads_left", [
+    ([1] * SHARE_WITH_OTHERS_MAX_TOKENS, [], 1),  # decoding streams, one token each
+    ([1] * (SHARE_WITH_OTHERS_MAX_TOKENS + 1), [], 2),
+    ([1], [SHARE_WITH_OTHERS_MAX_TOKENS - 1], 1),  # a short prompt waiting beside one stream
+    ([1], [SHARE_WITH_OTHERS_MAX_TOKENS], 2),
+    ([SHARE_WITH_OTHERS_MAX_TOKENS + 1], [], 2),  # a prompt being computed in chunks
+])
+def test_a_step_with_many_tokens_to_compute_keeps_every_core_beside_other_processes(running, waiting, threads_left):
+    """Past SHARE_WITH_OTHERS_MAX_TOKENS a step's ops are long between barriers and two threads sharing a core beat
+    one (64 served streams: one thread cost 7-19%; scored long prompts: 45% a step), so others being runnable no
+    longer takes a core; a compile still does. The engine is a stand-in: this is the rule alone."""
     threads = torch.get_num_threads()
-    engine = SimpleNamespace(device=torch.device("cpu"), scheduler=SimpleNamespace(num_unfinished=requests))
+    scheduler = SimpleNamespace(running=requests_left(*running), waiting=requests_left(*waiting))
+    engine = SimpleNamespace(device=torch.device("cpu"), scheduler=scheduler)
     loop = CoreLoop(engine, inputs=None, outputs=None, loop_threads=2, runnable_elsewhere=lambda: 1)
     try:
         loop._share_cores()
