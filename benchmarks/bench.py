@@ -91,8 +91,12 @@ def run_hf_static(requests: list[Request], model: str, dtype: str, threads: int,
     return {"seconds": elapsed, "output_tokens": sum(r.max_tokens for r in requests)}
 
 
+def kv_label(kv_cache_dtype: str) -> str:
+    return "" if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV"
+
+
 def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, threads: int, dtype: str,
-                  sampling: str = "greedy") -> list[dict]:
+                  sampling: str = "greedy", kv_cache_dtype: str = "auto") -> list[dict]:
     """vLLM's CPU build in its own virtualenv, as a subprocess on the same prompts (tokenized here)."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
     def prompt_ids(r: Request) -> list[int]:
@@ -103,7 +107,8 @@ def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, 
     # the request's generator, which a CPU generator cannot: "CPU Generator does not use offset"); unseeded rows are
     # its batched fast path, so the peer is not slowed by it either
     workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens, **SAMPLINGS[sampling]} for r in requests]
-    return run_vllm_script(python, "vllm_peer.py", resolve_model_path(model), workload, [str(runs), dtype], threads)
+    return run_vllm_script(python, "vllm_peer.py", resolve_model_path(model), workload, [str(runs), dtype, kv_cache_dtype],
+                           threads)
 
 
 def summarize(results: list[dict]) -> dict:
@@ -131,6 +136,8 @@ def main(
     threads: str = typer.Option("2", help="torch thread counts for the engine, comma separated, e.g. 1,2"),
     model_impls: str = typer.Option("auto", help="engine model implementations, comma separated: auto, native, hf"),
     quantizations: str = typer.Option("none", help="engine weights, comma separated: none (dense in dtype), gguf"),
+    kv_cache_dtypes: str = typer.Option("auto", help="KV cache types, comma separated (auto, fp8, fp8_e5m2), for the "
+                                                     "engine and vLLM alike"),
     schema_shares: str = typer.Option("0", help="shares of requests under a JSON schema, comma separated, e.g. 0,0.25,1"),
     runs: int = typer.Option(3, help="runs per system; the median is reported"),
     sampling: str = typer.Option("greedy", help="greedy, or chat (temperature 0.8, top-p 0.95, seeded per request)"),
@@ -158,25 +165,28 @@ def main(
         for impl in model_impls.split(","):
             for quantization in quantizations.split(","):
                 for share in (float(x) for x in schema_shares.split(",")):
-                    name = " ".join(part for part in ("" if impl == "auto" else impl,
-                                                      "" if quantization == "none" else quantization,
-                                                      f"schema {share:.0%}" if share else "") if part)
-                    label = f"engine {name} ({t} thr)".replace("  ", " ")
-                    results[label] = median_of(runs, lambda: run_engine(
-                        requests, model, dtype, t, share, sampling, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, model_impl=impl,
-                        quantization=None if quantization == "none" else quantization), label)
+                    for kv in kv_cache_dtypes.split(","):
+                        name = " ".join(part for part in ("" if impl == "auto" else impl,
+                                                          "" if quantization == "none" else quantization,
+                                                          f"schema {share:.0%}" if share else "", kv_label(kv)) if part)
+                        label = f"engine {name} ({t} thr)".replace("  ", " ")
+                        results[label] = median_of(runs, lambda: run_engine(
+                            requests, model, dtype, t, share, sampling, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, model_impl=impl, kv_cache_dtype=kv,
+                            quantization=None if quantization == "none" else quantization), label)
     if not skip_hf:
         top = max(thread_counts)
         static = lambda: run_hf_static(requests, model, dtype, top, hf_batch_size, sampling)  # noqa: E731
         results[f"HF static ({top} thr)"] = median_of(runs, static, f"HF generate, static batches of {hf_batch_size}")
     if vllm_python is not None:
         top = max(thread_counts)
-        console.print(f"[bold]vLLM CPU[/bold] ({runs} runs, {top} threads)")
-        peer = run_vllm_peer(requests, model, runs, vllm_python, top, dtype, sampling)
-        results[f"vLLM CPU ({top} thr)"] = summarize(peer)
+        for kv in kv_cache_dtypes.split(","):
+            console.print(f"[bold]vLLM CPU {kv_label(kv)}[/bold] ({runs} runs, {top} threads)")
+            peer = run_vllm_peer(requests, model, runs, vllm_python, top, dtype, sampling, kv)
+            results[f"vLLM CPU {kv_label(kv)} ({top} thr)".replace("  ", " ")] = summarize(peer)
     report(results, requests, dict(model=model, dtype=dtype, runs=runs, quantizations=quantizations,
-                                   schema_shares=schema_shares, cpu_flags=cpu_flags(), workload=workload,
+                                   schema_shares=schema_shares, kv_cache_dtypes=kv_cache_dtypes,
+                                   cpu_flags=cpu_flags(), workload=workload,
                                    sampling=SAMPLINGS[sampling],
                                    num_requests=num_requests,
                                    output_tokens=f"{min_tokens}-{max_tokens}", seed=seed, max_num_seqs=max_num_seqs,
@@ -193,11 +203,13 @@ def cpu_flags() -> str:
 def report(results: dict[str, dict], requests: list[Request], settings: dict, out_dir: Path) -> None:
     baseline = next((v["tokens_per_s"] for k, v in results.items() if k.startswith("HF static")), None)
     table = Table(title=f"{len(requests)} requests, {settings['dtype']}, median of {settings['runs']}")
-    peer = next((v["tokens_per_s"] for k, v in results.items() if k.startswith("vLLM")), None)
+    peers = {k.split("(")[0].removeprefix("vLLM CPU").strip(): v["tokens_per_s"] for k, v in results.items()
+             if k.startswith("vLLM")}
     for column in ("system", "output tok/s", "req/s", "x HF static", "x vLLM", "metrics % of step", "runs (tok/s)"):
         table.add_column(column, justify="right")
     for name, r in results.items():
         rate = r["tokens_per_s"]
+        peer = next((p for kind, p in peers.items() if kind and kind in name), peers.get(""))  # same KV type
         table.add_row(name, f"{rate:.0f}", f"{rate * len(requests) / r['output_tokens']:.2f}",
                       f"{rate / baseline:.2f}x" if baseline else "-", f"{rate / peer:.2f}x" if peer else "-",
                       f"{r['metrics_share_of_step']:.2%}" if "metrics_share_of_step" in r else "-", ", ".join(f"{x:.0f}" for x in r["all_tokens_per_s"]))

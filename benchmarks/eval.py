@@ -10,7 +10,7 @@ the project (benchmarks/eval_texts.py).
 Each configuration is held to a bar (BARS); a fast subset of the same checks runs in `make test`
 (tests/benchmarks/test_eval_bars.py).
 
-python benchmarks/eval.py --configs fp32,bf16,gguf,gguf-blocks,nf4,int8,hf,spec --tokens 32
+python benchmarks/eval.py --configs fp32,bf16,gguf,gguf-blocks,nf4,int8,fp8-e4m3,fp8-e5m2,hf,spec --tokens 32
 """
 from __future__ import annotations
 
@@ -46,12 +46,15 @@ CONFIGS = {  # engine settings per name; fp32 dense native is the reference
     "nf4": {"dtype": "float32", "quantization": "nf4"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "hf": {"dtype": "float32", "model_impl": "hf"},
+    "fp8-e4m3": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},  # one byte a K/V value
+    "fp8-e5m2": {"dtype": "float32", "kv_cache_dtype": "fp8_e5m2"},
     "spec": {"dtype": "float32", "speculative": {"num_speculative_tokens": 4, "disable_by_batch_size": 64, "weigh_cost": False}},
 }
 # The bar each configuration must pass: (perplexity at most this multiple of transformers' fp32 forward on the same
 # weights, greedy answers identical to the reference at least this share). Speculation must change no token.
 BARS = {"fp32": (1.001, 1.0), "hf": (1.001, 0.9), "gguf": (1.001, 0.9), "gguf-blocks": (1.001, 0.9),
-        "spec": (1.001, 1.0), "bf16": (1.02, 0.25), "int8": (1.03, 0.0), "nf4": (1.35, 0.0)}
+        "spec": (1.001, 1.0), "bf16": (1.02, 0.25), "int8": (1.03, 0.0), "nf4": (1.35, 0.0),
+        "fp8-e4m3": (1.02, 0.0), "fp8-e5m2": (1.03, 0.0)}
 
 
 def failed_bars(name: str, row: dict, hf_perplexity_value: float) -> list[str]:
@@ -112,8 +115,8 @@ def judge(reference: LLM, instructions: list[str], answers: list[list[int]]) -> 
 
 
 @app.command()
-def main(configs: str = "fp32,bf16,gguf,gguf-blocks,nf4,int8,hf,spec", reference: str = "fp32", tokens: int = 32,
-         model: str = "SmolLM2-135M-Instruct", out_dir: Path = Path("benchmarks/results"),
+def main(configs: str = "fp32,bf16,gguf,gguf-blocks,nf4,int8,fp8-e4m3,fp8-e5m2,hf,spec", reference: str = "fp32",
+         tokens: int = 32, model: str = "SmolLM2-135M-Instruct", out_dir: Path = Path("benchmarks/results"),
          plot: Path = Path("docs/eval.png")):
     names = [reference] + [n for n in configs.split(",") if n != reference]
     unknown = [n for n in names if n not in CONFIGS]

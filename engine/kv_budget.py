@@ -19,7 +19,7 @@ CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
 def num_kv_blocks(config: EngineConfig, runner: ModelRunner) -> int:
-    per_block = kv_bytes_per_block(runner.model.config, config.block_size, runner.dtype)
+    per_block = kv_bytes_per_block(runner.model.config, config.block_size, runner.kv_dtype)
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory is not None:

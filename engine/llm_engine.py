@@ -22,6 +22,7 @@ from engine.engine_stats import EngineStats
 from engine.errors import EngineInputError
 from engine.host_memory import keep_freed_memory
 from engine.kv_budget import num_kv_blocks
+from engine.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from engine.metrics import StepMetrics
 from engine.pooler import embeddings
 from engine.model_runner import ModelRunner, StepLogits, kv_geometry
@@ -53,7 +54,10 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.attention_backend = choose_attention_backend(config, self.device.type)  # refused before the weights load
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        # refused before the weights load
+        self.attention_backend = choose_attention_backend(config, self.device.type, capability)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model = load_model(config, self.device, self.dtype)
         self.loras = LoRAManager(self.model, config) if config.serves_lora else None  # before the runner reads them
         if self.attention_backend == "triton" and self.model.impl == "native":
@@ -73,7 +77,8 @@ class LLMEngine:
         self.gc_pauses = GcPauses()
         self.resident_memory = ResidentMemory()
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
-                                  self.phases, triton=self.attention_backend == "triton", prefill_kernel=prefill_kernel)
+                                  self.phases, triton=self.attention_backend == "triton", prefill_kernel=prefill_kernel,
+                                  kv_dtype=self.kv_dtype)
         self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
         # bitsandbytes' NF4/int8 kernels have never been captured here on a GPU: eager until measured
         if self.device.type == "cuda" and not config.enforce_eager and self.model.impl == "native" \
@@ -99,9 +104,9 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling and self.speculator is None  # see engine/async_scheduling.py
         self.in_flight: InFlight | None = None  # a launched step not yet read (async scheduling)
         self.step_started_at: float | None = None  # monotonic; None between steps
-        log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens", config.model,
-                 self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype, self.runner.num_blocks,
-                 config.block_size)
+        log.info("engine ready: %s (%s model, %.0f MB of weights) on %s/%s, %d KV blocks of %d tokens in %s",
+                 config.model, self.model.impl, self.model.weight_bytes() / 1e6, self.device, self.dtype,
+                 self.runner.num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."))
 
     # -- set-up ------------------------------------------------------------------------------------
 
@@ -434,6 +439,7 @@ class LLMEngine:
             "packed_weights": getattr(linear, "packed", None) is not None,
             "block_weights": getattr(linear, "blocks", None) is not None,  # GGUF blocks for small batches
             "num_kv_blocks": self.runner.num_blocks,
+            "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "block_size": self.block_manager.block_size,
             "enable_prefix_caching": self.block_manager.enable_prefix_caching,
             "max_num_seqs": self.scheduler.max_num_seqs,

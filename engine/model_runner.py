@@ -11,6 +11,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import ask_huge_pages, to_device
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillChunk
+from engine.layers.kv_cache_dtype import raw
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_stats import PhaseTimer
@@ -61,7 +62,7 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model: Model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
                  decode_kernel=None, write_kv=None, phases: PhaseTimer | None = None, triton: bool = False,
-                 prefill_kernel=None):
+                 prefill_kernel=None, kv_dtype: torch.dtype | None = None):
         self.model = model
         self.triton = triton  # attention on the Triton kernels (engine/layers/triton_attention.py)
         self.num_splits_for = None  # the decode kernel's split rule, where Triton runs (triton is imported only there)
@@ -78,6 +79,7 @@ class ModelRunner:
         self.prefill_kernel = prefill_kernel
         self.block_size = block_size
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the KV pool's element type (kv_cache_dtype): the model's, or fp8
         self.device = device
         self.kv_cache = self.allocate_kv_cache(num_blocks)
 
@@ -93,7 +95,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         layers, kv_heads, head_dim = kv_geometry(self.model.config)
         shape = (layers, 2, kv_heads, num_blocks, self.block_size, head_dim)
-        pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        pool = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         ask_huge_pages(pool)  # before the zeros touch it: decode attention reads blocks scattered over all of it
         return pool.zero_()
 
@@ -207,7 +209,8 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Every layer's K and V of each source block into its target block."""
         sources, targets = (self._tensor(list(ids)) for ids in zip(*copies))
-        self.kv_cache.index_copy_(3, targets, self.kv_cache.index_select(3, sources))
+        pool = raw(self.kv_cache)
+        pool.index_copy_(3, targets, pool.index_select(3, sources))
 
     def _metadata(self, seqs: list[Sequence], num_new_tokens: list[int], start: int, slots: torch.Tensor,
                   decode: DecodeBatch | None, device: Iterator[torch.Tensor]) -> AttentionMetadata:

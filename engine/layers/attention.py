@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.layers.kv_cache_dtype import as_stored, is_fp8, raw
+
 
 @dataclass
 class PrefillChunk:
@@ -107,8 +109,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache:
         meta.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     else:
         kv_heads, _, _, head_dim = k_cache.shape
-        k_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
-        v_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
+        for cache, new in ((k_cache, key), (v_cache, value)):
+            stored = raw(as_stored(new.transpose(0, 1), cache.dtype))
+            raw(cache).view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, stored)
     if not meta.prefills:  # decodes only: the kernel's output is the whole answer
         return _decode(query, k_cache, v_cache, meta.decode, scaling)
     out = query.new_empty(query.shape)
@@ -140,8 +143,8 @@ def _decode_torch(query, k_cache, v_cache, decode: DecodeBatch, scaling: float) 
     if not buffers:
         shape = (kv_heads, len(block_ids), block_size * head_dim)
         buffers.update(k=k_cache.new_empty(shape), v=v_cache.new_empty(shape))
-    k = _gather(k_cache, block_ids, buffers["k"]).view(kv_heads, batch, context, head_dim)
-    v = _gather(v_cache, block_ids, buffers["v"]).view(kv_heads, batch, context, head_dim)
+    k = _gather(k_cache, block_ids, buffers["k"]).view(kv_heads, batch, context, head_dim).to(query.dtype)
+    v = _gather(v_cache, block_ids, buffers["v"]).view(kv_heads, batch, context, head_dim).to(query.dtype)
     q = query.reshape(kv_heads, heads // kv_heads, batch, head_dim).transpose(1, 2).contiguous()  # [kvh, B, g, D]
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scaling).add_(decode.key_bias[None, :, None, :])
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -153,7 +156,9 @@ def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling: 
     """A chunk of one sequence, causal over its cached context plus itself. -> [n, heads, D]"""
     q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
     num_new = chunk.end - chunk.start
-    if chunk.context_len == num_new:  # nothing cached before: attend to the fresh K/V directly
+    # nothing cached before: attend to the fresh K/V directly. Not from an fp8 cache, whose rounded K/V every later
+    # chunk and prefix hit reads: a prompt's output must not depend on whether its prefix was cached
+    if chunk.context_len == num_new and not is_fp8(k_cache.dtype):
         k = key[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         v = value[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
@@ -179,6 +184,6 @@ def _prefill_kernel(kernel: Callable, q, k_cache, v_cache, chunks: tuple[torch.T
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[kv_heads, num_blocks, block_size, D] by [n] block ids -> contiguous [kv_heads, n * block_size, D]."""
     kv_heads, num_blocks, block_size, head_dim = cache.shape
-    flat = cache.view(kv_heads, num_blocks, block_size * head_dim)
-    gathered = torch.index_select(flat, 1, block_ids, out=out) if out is not None else flat.index_select(1, block_ids)
-    return gathered.view(kv_heads, -1, head_dim)
+    flat = raw(cache).view(kv_heads, num_blocks, block_size * head_dim)
+    gathered = torch.index_select(flat, 1, block_ids, out=raw(out)) if out is not None else flat.index_select(1, block_ids)
+    return gathered.view(cache.dtype).view(kv_heads, -1, head_dim)

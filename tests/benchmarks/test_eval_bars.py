@@ -35,7 +35,7 @@ def eval_row(llm: LLM, reference_answers) -> dict:
     return {"perplexity": quality.perplexity(llm, PARAGRAPHS), "identical": identical}
 
 
-@pytest.mark.parametrize("name", ["fp32", "gguf", "gguf-blocks", "spec"])
+@pytest.mark.parametrize("name", ["fp32", "gguf", "gguf-blocks", "spec", "fp8-e4m3"])
 def test_shipped_configurations_pass_their_bar(name, llm32, hf_perplexity, reference_answers):
     llm = llm32 if name == "fp32" else quality.engine_for(name, DEFAULT_MODEL)
     assert quality.failed_bars(name, eval_row(llm, reference_answers), hf_perplexity) == []

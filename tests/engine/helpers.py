@@ -14,8 +14,26 @@ LOGPROB_TOLERANCE = 1e-3  # engine vs HF logprob of the chosen token, fp32; meas
 MIN_DISTINCT_TOKENS = 10  # mean distinct tokens per output: a model that repeats itself would hide broken attention
 
 
-def load_hf_model(model: str, dtype=torch.float32):
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=dtype, attn_implementation="sdpa").eval()
+def load_hf_model(model: str, dtype=torch.float32, kv_cache_dtype: torch.dtype | None = None):
+    """transformers' model with SDPA attention; with `kv_cache_dtype` (fp8) every K and V it attends to is first
+    rounded to that type as the engine stores it: the reference for kv_cache_dtype fp8."""
+    attention = "sdpa" if kv_cache_dtype is None else _rounded_kv_attention(kv_cache_dtype)
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=dtype, attn_implementation=attention).eval()
+
+
+def _rounded_kv_attention(cache_dtype: torch.dtype) -> str:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.layers.kv_cache_dtype import as_stored
+
+    def attention(module, query, key, value, *args, **kwargs):
+        key, value = (as_stored(t, cache_dtype).to(query.dtype) for t in (key, value))
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    name = f"sdpa_kv_{str(cache_dtype).removeprefix('torch.')}"
+    AttentionInterface.register(name, attention)
+    return name
 
 
 @torch.inference_mode()

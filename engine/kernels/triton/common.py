@@ -45,8 +45,28 @@ def _load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, hea
     return k, v
 
 
+def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, LARGEST: tl.constexpr):
+    """fp32 `x` rounded to the nearest value of an fp8 format with MANTISSA bits (ties to even), saturated at its
+    LARGEST finite value, still in fp32: exactly representable, so the cast that follows is exact whoever does it.
+    Triton 3.9's interpreter casts to fp8 without carrying a rounded-up mantissa into the exponent (7.77 became 4 in
+    e4m3) and without saturating; the GPU's cast rounds and saturates itself. Rounding here makes both store the same
+    bytes, torch's cast's. Subnormals sit on a grid of MIN_NORMAL * 2**-MANTISSA: shifted up by MIN_NORMAL, that grid
+    is their ulp at MANTISSA bits."""
+    magnitude = tl.minimum(tl.abs(x), LARGEST)
+    small = magnitude < MIN_NORMAL
+    shifted = tl.where(small, magnitude + MIN_NORMAL, magnitude)
+    bits = shifted.to(tl.int32, bitcast=True)
+    dropped = 23 - MANTISSA
+    bits = (bits + ((1 << (dropped - 1)) - 1) + ((bits >> dropped) & 1)) & -(1 << dropped)
+    rounded = bits.to(tl.float32, bitcast=True)
+    rounded = tl.where(small, rounded - MIN_NORMAL, rounded)
+    sign = x.to(tl.int32, bitcast=True) & -(1 << 31)  # kept as is, so -0.0 and tiny negatives stay -0.0
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
 # Under triton's interpreter every call of a jit function from a kernel patches triton.language anew (~1 ms of
 # Python, triton 3.9; triton's own tl.cdiv, tl.zeros, tl.max and tl.sum are such functions): about a fifth of an
 # interpreted engine step was that. There this helper is plain Python, which the interpreted kernel calls as it would
 # any function; compiled, it is a device function as usual. The hot kernels spell cdiv and zeros with builtins.
 load_kv_tile = _load_kv_tile if INTERPRETED else triton.jit(_load_kv_tile)
+round_to_fp8 = _round_to_fp8 if INTERPRETED else triton.jit(_round_to_fp8)

@@ -14,7 +14,7 @@ from triton.runtime.jit import JITFunction
 
 GPU_TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_89": GPUTarget("cuda", 89, 32), "sm_90": GPUTarget("cuda", 90, 32)}
 _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
-                  torch.int32: "*i32"}
+                  torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
 
 
 @dataclass

@@ -9,6 +9,7 @@ from engine.kernels.triton.decode import decode_attention, num_splits_for
 from engine.kernels.triton.kv_write import write_kv
 from engine.kernels.triton.prefill import prefill_attention
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillChunk, _decode, _prefill
+from engine.layers.kv_cache_dtype import raw
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16
@@ -161,9 +162,46 @@ def test_kernels_address_a_kv_head_that_starts_past_2_to_the_31_elements():
     assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_mixed_step_through_the_layer_matches_the_torch_path(dtype):
-    """Decodes first, then prefill chunks, the KV write included: the whole of one layer's attention."""
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_write_to_an_fp8_cache_stores_torchs_saturated_cast(cache_dtype, dtype):
+    """kv_cache_dtype fp8: the bytes of torch's cast, rounded to nearest even and saturated at the format's largest
+    value, from subnormals (1e-9) to past the range (1.6e5); -0.0 stays -0.0. Triton's interpreter casts without
+    carrying a rounded-up mantissa into the exponent, so a kernel leaving the rounding to the cast fails here."""
+    kv_heads, head_dim, tokens = 2, 64, 40
+    generator = torch.Generator().manual_seed(7)
+    scale = torch.logspace(-9, 5.2, tokens)[:, None, None]
+    key, value = ((torch.randn(tokens, kv_heads, head_dim, generator=generator) * scale).to(DEVICE, dtype)
+                  for _ in range(2))
+    key[0, 0, :8] = torch.tensor([7.77, 500.0, -1000.0, 1e5, 0.0123, 0.0, -0.0, 447.9])
+    k_cache, v_cache = (torch.zeros(kv_heads, 4, BLOCK_SIZE, head_dim, dtype=cache_dtype, device=DEVICE) for _ in range(2))
+    slots = torch.randperm(4 * BLOCK_SIZE, generator=generator)[:tokens].to(DEVICE)
+    write_kv(k_cache, v_cache, key, value, slots)
+    largest = torch.finfo(cache_dtype).max
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        stored = cache.view(kv_heads, -1, head_dim)[:, slots].transpose(0, 1)
+        assert torch.equal(stored.view(torch.uint8), rows.clamp(-largest, largest).to(cache_dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_decode_over_an_fp8_cache_matches_the_torch_path(cache_dtype, num_splits):
+    kv_heads, group, head_dim, dtype, context_lens = 2, 7, 128, torch.bfloat16, [1, 17, 100, 300]
+    k_cache, v_cache = pool(kv_heads, 40, head_dim, cache_dtype)
+    padded, _ = block_tables(context_lens, 40)
+    query = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    decode = DecodeBatch(as_tensor(padded), as_tensor(context_lens), BLOCK_SIZE)
+    expected = _decode(query, k_cache, v_cache, decode, head_dim**-0.5)
+    got = decode_attention(query, k_cache, v_cache, decode.block_tables, decode.context_lens, head_dim**-0.5, num_splits)
+    assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2)])
+def test_a_mixed_step_through_the_layer_matches_the_torch_path(dtype, cache_dtype):
+    """Decodes first, then prefill chunks, the KV write included: the whole of one layer's attention, over a cache
+    of the model's dtype or an fp8 one (kv_cache_dtype), where the fresh prompt too reads its K/V back rounded."""
     kv_heads, group, head_dim, scaling = 2, 3, 64, 0.125
     decodes, spans = [9, 33], [(0, 12), (20, 7)]
     lengths = decodes + [cached + new for cached, new in spans]
@@ -185,10 +223,10 @@ def test_a_mixed_step_through_the_layer_matches_the_torch_path(dtype):
     batch = PrefillBatch(as_tensor([0, 12, 19]), as_tensor([12, 27]), as_tensor(padded[len(decodes):]), 12)
     results = []
     for triton in (False, True):
-        k_cache, v_cache = pool(kv_heads, 32, head_dim, dtype)
+        k_cache, v_cache = pool(kv_heads, 32, head_dim, cache_dtype)
         meta = AttentionMetadata([(k_cache, v_cache)], as_tensor(slots), decode, [] if triton else chunks,
                                  prefill_batch=batch if triton else None, triton=triton)
-        results.append((meta.attend(query, key, value, 0, scaling), k_cache, v_cache))
+        results.append((meta.attend(query, key, value, 0, scaling), raw(k_cache), raw(v_cache)))
     (expected, k_ref, v_ref), (got, k_got, v_got) = results
     assert torch.equal(k_ref, k_got) and torch.equal(v_ref, v_got)
     assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]

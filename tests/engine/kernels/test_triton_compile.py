@@ -12,10 +12,15 @@ from engine.kernels.triton.launch import GPU_TARGETS
 
 # (dtype, head_dim, query heads per KV head): every dtype, a padded head size, GQA groups of 1, 3 and 7
 CASES = [("bfloat16", 128, 7), ("float16", 64, 1), ("float32", 80, 3)]
+# kv_cache_dtype fp8: (cache dtype, query dtype, targets). triton compiles e4m3 for sm_89 on (the engine refuses it
+# before that, tests/engine/test_attention_backend.py), e5m2 everywhere
+FP8_CASES = [("float8_e4m3fn", "bfloat16", ("sm_89", "sm_90")), ("float8_e5m2", "float16", tuple(GPU_TARGETS))]
+FP8_KERNELS = ("kv_write", "decode", "decode_split", "prefill")
 
 
-def launches(dtype: torch.dtype, head_dim: int, group: int) -> dict:
-    """The engine's launches on tensors of the right dtypes and shapes (tiny, never run)."""
+def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.dtype | None = None) -> dict:
+    """The engine's launches on tensors of the right dtypes and shapes (tiny, never run); `cache_dtype`: the KV
+    pool's, where it is not `dtype`."""
     from engine.kernels.triton.decode import decode_launches
     from engine.kernels.triton.fused_ops import add_rms_norm_launch, rotary_launch, silu_and_mul_launch
     from engine.kernels.triton.greedy import greedy_launches
@@ -24,7 +29,7 @@ def launches(dtype: torch.dtype, head_dim: int, group: int) -> dict:
     from engine.kernels.triton.prefill import prefill_launch
 
     kv_heads, batch = 2, 3
-    cache = torch.zeros(kv_heads, 4, 16, head_dim, dtype=dtype)
+    cache = torch.zeros(kv_heads, 4, 16, head_dim, dtype=cache_dtype or dtype)
     query = torch.zeros(batch, kv_heads * group, head_dim, dtype=dtype)
     tables, lens = torch.zeros(batch, 2, dtype=torch.long), torch.ones(batch, dtype=torch.long)
     split = decode_launches(query, cache, cache, tables, lens, 0.1, 4, query)
@@ -49,17 +54,26 @@ def launches(dtype: torch.dtype, head_dim: int, group: int) -> dict:
 
 def compile_all(target_name: str) -> dict:
     """case/target/kernel -> cubin bytes, or the compiler's error."""
-    results, target = {}, GPU_TARGETS[target_name]
+    results = {}
     for dtype, head_dim, group in CASES:
         for name, launch in launches(getattr(torch, dtype), head_dim, group).items():
-            key = f"{dtype}/hd{head_dim}/g{group}/{target_name}/{name}"
-            try:
-                compiled = launch.compile_for(target)
-                assert f".target {target_name}" in compiled.asm["ptx"], "PTX for another target"
-                results[key] = len(compiled.asm["cubin"])
-            except Exception as error:  # reported whole, by the test below
-                results[key] = f"{type(error).__name__}: {error}"
+            results[f"{dtype}/hd{head_dim}/g{group}/{target_name}/{name}"] = _compile(launch, target_name)
+    for cache_dtype, dtype, targets in FP8_CASES:
+        if target_name in targets:
+            kernels = launches(getattr(torch, dtype), 128, 7, getattr(torch, cache_dtype))
+            for name in FP8_KERNELS:
+                results[f"{cache_dtype}/{dtype}/{target_name}/{name}"] = _compile(kernels[name], target_name)
     return results
+
+
+def _compile(launch, target_name: str) -> int | str:
+    """The cubin's size, or the compiler's error."""
+    try:
+        compiled = launch.compile_for(GPU_TARGETS[target_name])
+        assert f".target {target_name}" in compiled.asm["ptx"], "PTX for another target"
+        return len(compiled.asm["cubin"])
+    except Exception as error:  # reported whole, by the test below
+        return f"{type(error).__name__}: {error}"
 
 
 def test_every_kernel_compiles_for_the_gpu_targets():
@@ -71,7 +85,8 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         stdout, stderr = compiler.communicate(timeout=300)
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
-    assert len(results) == len(CASES) * 12 * len(GPU_TARGETS)
+    fp8 = sum(len(targets) for _, _, targets in FP8_CASES) * len(FP8_KERNELS)
+    assert len(results) == len(CASES) * 12 * len(GPU_TARGETS) + fp8
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 
