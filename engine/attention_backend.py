@@ -11,12 +11,6 @@ def choose_attention_backend(config: EngineConfig, device_type: str, capability:
     """'cpp' (the fused CPU kernels, where they build; 'auto' on CPU), 'torch' (the reference path) or 'triton'
     ('auto' on CUDA; on CPU only under TRITON_INTERPRET=1, as the tests run it). `capability`: the CUDA device's."""
     backend = config.attention_backend
-    fp8 = config.kv_cache_dtype != "auto"
-    if fp8 and device_type == "cpu":
-        if backend == "cpp":
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} runs on attention_backend torch on CPU (auto "
-                             "chooses it): the C++ attention kernels read a cache of the model's dtype")
-        backend = "torch" if backend == "auto" else backend
     if device_type == "cuda" and config.kv_cache_dtype in ("fp8", "fp8_e4m3") and capability is not None \
             and capability < (8, 9):
         raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} (e4m3) needs compute capability 8.9 or later, which "

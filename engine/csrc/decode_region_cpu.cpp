@@ -105,7 +105,7 @@ void run_region(const RegionStep& s, const scalar_t* hidden_in, scalar_t* hidden
         }
       }
 #pragma omp barrier
-      const DecodeArgs<scalar_t> args{q.data(), static_cast<const scalar_t*>(layer.k_cache),
+      const DecodeArgs<scalar_t, scalar_t> args{q.data(), static_cast<const scalar_t*>(layer.k_cache),
                                       static_cast<const scalar_t*>(layer.v_cache), s.block_tables, s.context_lens,
                                       attention.data(), s.heads, s.kv_heads, s.num_blocks, s.block_size,
                                       s.max_blocks, s.scale};
@@ -115,14 +115,14 @@ void run_region(const RegionStep& s, const scalar_t* hidden_in, scalar_t* hidden
         rounded.round(attention.data() + r * q_size + first, r, q_size, first, group * kHeadDim);
       };
       for (int64_t item = split.items() * tid / team; item < split.items() * (tid + 1) / team; ++item) {
-        decode_item<scalar_t, kHeadDim>(item, split, args, parts.data(), room);
+        decode_item<scalar_t, scalar_t, kHeadDim>(item, split, args, parts.data(), room);
         if (const int64_t task = split.task_of(item); !split.split(task)) round_task(task);
       }
       if (split.any_split()) {
 #pragma omp barrier
         for (int64_t task = split.tasks() * tid / team; task < split.tasks() * (tid + 1) / team; ++task) {
           if (!split.split(task)) continue;
-          merge_parts<scalar_t, kHeadDim>(task, split, args, parts.data());
+          merge_parts<scalar_t, scalar_t, kHeadDim>(task, split, args, parts.data());
           round_task(task);
         }
       }

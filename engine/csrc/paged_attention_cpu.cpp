@@ -4,6 +4,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <cmath>
 #include <algorithm>
@@ -79,8 +81,8 @@ static inline void softmax(float* s, int64_t len) {
 }
 
 // kHeadDim > 0 fixes head_dim at compile time, so the per-row loops unroll (2x faster measured); 0 reads it at run time.
-template <typename scalar_t, int64_t kHeadDim>
-static void decode_impl(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+static void decode_impl(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_tables,
                         const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
                         int64_t runtime_head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
@@ -94,9 +96,9 @@ static void decode_impl(const scalar_t* q, const scalar_t* k_cache, const scalar
       load_row(q + (b * heads + kvh * group) * head_dim, qf.data(), group * head_dim);
       for (auto& x : qf) x *= scale;
       scores.resize(group * len);
-      const scalar_t* k_head = k_cache + kvh * head_stride;
+      const cache_t* k_head = k_cache + kvh * head_stride;
       for (int64_t first = 0; first < len; first += block_size) {
-        const scalar_t* kp = k_head + table[first / block_size] * block_size * head_dim;
+        const cache_t* kp = k_head + table[first / block_size] * block_size * head_dim;
         for (int64_t t = first; t < std::min(len, first + block_size); ++t, kp += head_dim) {
           load_row(kp, row.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * head_dim, row.data(), head_dim);
@@ -104,9 +106,9 @@ static void decode_impl(const scalar_t* q, const scalar_t* k_cache, const scalar
       }
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      const scalar_t* v_head = v_cache + kvh * head_stride;
+      const cache_t* v_head = v_cache + kvh * head_stride;
       for (int64_t first = 0; first < len; first += block_size) {
-        const scalar_t* vp = v_head + table[first / block_size] * block_size * head_dim;
+        const cache_t* vp = v_head + table[first / block_size] * block_size * head_dim;
         for (int64_t t = first; t < std::min(len, first + block_size); ++t, vp += head_dim) {
           load_row(vp, row.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], row.data(), acc.data() + g * head_dim, head_dim);
@@ -127,6 +129,18 @@ static inline __m512 load16(const c10::BFloat16* p) {
 }
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// fp8 pools (kv_cache_dtype): an e5m2 byte is the top byte of the fp16 of the same value; an e4m3 byte's exponent
+// and mantissa, moved to fp16's places, read as the value times 2^-8 (the biases differ by 8), subnormals included.
+static inline __m256i widen_bytes(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m512 load16(const c10::Float8_e5m2* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(widen_bytes(p), 8)); }
+static inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i bytes = widen_bytes(p);
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8),
+                                       _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
 }
 
 // v[t] holds 16 partial sums of key t's score; returns the 16 scores, lane t = the sum of v[t]. A transposing
@@ -166,18 +180,19 @@ constexpr int64_t kPrefetchRows = 32;  // 16: 33.0 ms, 32: 27.3 ms, 64: 28.4 ms 
 
 // How a query group is held, and one key row scored against it, per pool dtype: by default the query is widened to
 // fp32 with the scale folded in, and so is each K row, once, in registers, shared by the group.
-template <typename scalar_t, int64_t kHeadDim>
+template <typename cache_t, int64_t kHeadDim>
 struct KeyRowScorer {
   static constexpr int64_t kVecs = kHeadDim / 16;
   __m512* qv;
   int64_t group;
   float scale_after = 1.f;
 
-  KeyRowScorer(const scalar_t* q_group, int64_t group, float scale, __m512* room) : qv(room), group(group) {
+  template <typename q_t>  // the pool's dtype, or any where the pool is fp8
+  KeyRowScorer(const q_t* q_group, int64_t group, float scale, __m512* room) : qv(room), group(group) {
     for (int64_t i = 0; i < group * kVecs; ++i) qv[i] = _mm512_mul_ps(load16(q_group + i * 16), _mm512_set1_ps(scale));
   }
   // partial[g * 16]: head g's 16 lane sums against the row at kp
-  void operator()(const scalar_t* kp, __m512* partial) const {
+  void operator()(const cache_t* kp, __m512* partial) const {
     __m512 k[kVecs];
     for (int64_t i = 0; i < kVecs; ++i) k[i] = load16(kp + i * 16);
     for (int64_t g = 0; g < group; ++g) {
@@ -210,11 +225,11 @@ struct KeyRowScorer<c10::BFloat16, 64> {
 #endif
 
 // Scores of a group's query heads, 16 keys at a time, scaled: scores[g * padded + t].
-template <typename scalar_t, int64_t kHeadDim>
-static void key_scores(const scalar_t* q_group, const scalar_t* k_head, BlockWalk rows, int64_t len, int64_t group,
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+static void key_scores(const scalar_t* q_group, const cache_t* k_head, BlockWalk rows, int64_t len, int64_t group,
                        float scale, __m512* q_room, __m512* partial, float* scores, int64_t padded) {
-  constexpr int64_t kRowBytes = kHeadDim * sizeof(scalar_t);
-  const KeyRowScorer<scalar_t, kHeadDim> score(q_group, group, scale, q_room);
+  constexpr int64_t kRowBytes = kHeadDim * sizeof(cache_t);
+  const KeyRowScorer<cache_t, kHeadDim> score(q_group, group, scale, q_room);
   const __m512 scale_after = _mm512_set1_ps(score.scale_after);
   BlockWalk ahead = rows;
   for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row<kRowBytes>(k_head + ahead.next());
@@ -269,9 +284,11 @@ struct DecodeRoom {
 };
 
 // One layer's decode attention: query [B, heads, D], caches [kv_heads, num_blocks, block_size, D], out like query.
-template <typename scalar_t>
+// The caches hold the query's dtype, or fp8 (cache_t).
+template <typename scalar_t, typename cache_t>
 struct DecodeArgs {
-  const scalar_t *q, *k_cache, *v_cache;
+  const scalar_t* q;
+  const cache_t *k_cache, *v_cache;
   const int64_t *block_tables, *context_lens;
   scalar_t* out;
   int64_t heads, kv_heads, num_blocks, block_size, max_blocks;
@@ -326,8 +343,9 @@ static void group_values(const scalar_t* v_head, BlockWalk rows, int64_t len, co
 
 // Part `part` of a task (all of it when part < 0): scores of its query-head group over those keys, then either the
 // softmax and the output (whole) or the part's values, peaks and sums (part_out, see part_floats).
-template <typename scalar_t, int64_t kHeadDim>
-static void decode_keys(int64_t task, int64_t part, const DecodeArgs<scalar_t>& a, float* part_out, DecodeRoom& room) {
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+static void decode_keys(int64_t task, int64_t part, const DecodeArgs<scalar_t, cache_t>& a, float* part_out,
+                        DecodeRoom& room) {
   const int64_t group = a.group(), head_stride = a.num_blocks * a.block_size * kHeadDim;
   const int64_t b = task / a.kv_heads, kvh = task % a.kv_heads, first_head = b * a.heads + kvh * group;
   const int64_t first = part < 0 ? 0 : part * kKeysPerPart;
@@ -338,31 +356,32 @@ static void decode_keys(int64_t task, int64_t part, const DecodeArgs<scalar_t>& 
   const int64_t padded = (len + 15) / 16 * 16;
   room.scores.resize(group * padded);
   float* scores = room.scores.data();
-  key_scores<scalar_t, kHeadDim>(a.q + first_head * kHeadDim, a.k_cache + kvh * head_stride, rows, len, group, a.scale,
-                                 room.qv.data(), room.partial.data(), scores, padded);
-  const scalar_t* v_head = a.v_cache + kvh * head_stride;
+  key_scores<scalar_t, cache_t, kHeadDim>(a.q + first_head * kHeadDim, a.k_cache + kvh * head_stride, rows, len, group,
+                                          a.scale, room.qv.data(), room.partial.data(), scores, padded);
+  const cache_t* v_head = a.v_cache + kvh * head_stride;
   if (part < 0) {
     for (int64_t g = 0; g < group; ++g) softmax(scores + g * padded, len);
-    return group_values<scalar_t, kHeadDim>(v_head, rows, len, scores, padded, group, a.out + first_head * kHeadDim);
+    return group_values<cache_t, kHeadDim>(v_head, rows, len, scores, padded, group, a.out + first_head * kHeadDim);
   }
   float *peaks = part_out + group * kHeadDim, *sums = peaks + group;
   for (int64_t g = 0; g < group; ++g) sums[g] = exp_in_place(scores + g * padded, len, peaks + g);
-  group_values<scalar_t, kHeadDim>(v_head, rows, len, scores, padded, group, part_out);
+  group_values<cache_t, kHeadDim>(v_head, rows, len, scores, padded, group, part_out);
 }
 
 // One item of a step's split: a whole task, or one part of a split one into `parts` (items x part_floats).
-template <typename scalar_t, int64_t kHeadDim>
-static void decode_item(int64_t item, const DecodeSplit& split, const DecodeArgs<scalar_t>& a, float* parts,
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+static void decode_item(int64_t item, const DecodeSplit& split, const DecodeArgs<scalar_t, cache_t>& a, float* parts,
                         DecodeRoom& room) {
   const int64_t task = split.task_of(item);
-  if (!split.split(task)) return decode_keys<scalar_t, kHeadDim>(task, -1, a, nullptr, room);
-  decode_keys<scalar_t, kHeadDim>(task, item - split.first[task], a, parts + item * part_floats<kHeadDim>(a.group()),
-                                  room);
+  if (!split.split(task)) return decode_keys<scalar_t, cache_t, kHeadDim>(task, -1, a, nullptr, room);
+  decode_keys<scalar_t, cache_t, kHeadDim>(task, item - split.first[task], a,
+                                           parts + item * part_floats<kHeadDim>(a.group()), room);
 }
 
 // A split task's output from its parts: each part's values and sum rescaled by exp(its peak - the highest peak).
-template <typename scalar_t, int64_t kHeadDim>
-static void merge_parts(int64_t task, const DecodeSplit& split, const DecodeArgs<scalar_t>& a, const float* parts) {
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+static void merge_parts(int64_t task, const DecodeSplit& split, const DecodeArgs<scalar_t, cache_t>& a,
+                        const float* parts) {
   const int64_t group = a.group(), stride = part_floats<kHeadDim>(group);
   const int64_t count = split.first[task + 1] - split.first[task];
   const float* base = parts + split.first[task] * stride;
@@ -380,22 +399,23 @@ static void merge_parts(int64_t task, const DecodeSplit& split, const DecodeArgs
   }
 }
 
-template <typename scalar_t, int64_t kHeadDim>
-static void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+static void decode_avx512(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_tables,
                           const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
-  const DecodeArgs<scalar_t> args{q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads, num_blocks,
-                                  block_size, max_blocks, scale};
+  const DecodeArgs<scalar_t, cache_t> args{q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads,
+                                           num_blocks, block_size, max_blocks, scale};
   const DecodeSplit split(context_lens, batch, kv_heads);
   std::vector<float> parts(split.any_split() ? split.items() * part_floats<kHeadDim>(args.group()) : 0);
   at::parallel_for(0, split.items(), 1, [&](int64_t begin, int64_t end) {
     DecodeRoom room(args.group(), kHeadDim);
-    for (int64_t item = begin; item < end; ++item) decode_item<scalar_t, kHeadDim>(item, split, args, parts.data(), room);
+    for (int64_t item = begin; item < end; ++item)
+      decode_item<scalar_t, cache_t, kHeadDim>(item, split, args, parts.data(), room);
   });
   if (!split.any_split()) return;
   at::parallel_for(0, split.tasks(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task)
-      if (split.split(task)) merge_parts<scalar_t, kHeadDim>(task, split, args, parts.data());
+      if (split.split(task)) merge_parts<scalar_t, cache_t, kHeadDim>(task, split, args, parts.data());
   });
 }
 #endif
@@ -412,12 +432,25 @@ static void check_block_tables(const int64_t* table, int64_t width, const int64_
   }
 }
 
-// query [B, heads, D]; caches [kv_heads, num_blocks, block_size, D]; block_tables [B, max_blocks]; context_lens [B]
+// The pool's element type where it is fp8 (kv_cache_dtype), for the dispatch below.
+template <typename Fn>
+static void with_fp8_cache(at::ScalarType pool, Fn&& fn) {
+  if (pool == at::kFloat8_e4m3fn) return fn(static_cast<const c10::Float8_e4m3fn*>(nullptr));
+  fn(static_cast<const c10::Float8_e5m2*>(nullptr));
+}
+
+static bool is_fp8(at::ScalarType type) { return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2; }
+
+// query [B, heads, D]; caches [kv_heads, num_blocks, block_size, D] of the query's dtype or fp8; block_tables
+// [B, max_blocks]; context_lens [B]
 at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and KV pool must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V pools must share a dtype");
+  const bool fp8 = is_fp8(k_cache.scalar_type());
+  TORCH_CHECK(fp8 || query.scalar_type() == k_cache.scalar_type(), "query and KV pool must share a dtype, or the pool be fp8");
+  TORCH_CHECK(!fp8 || query.scalar_type() != at::kDouble, "an fp8 pool takes fp32, bf16 or fp16 queries");
   auto q = query.contiguous();
   auto tables = block_tables.to(at::kLong).contiguous();
   auto lens = context_lens.to(at::kLong).contiguous();
@@ -430,21 +463,32 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache
                      block_size);
   ReleaseGil no_gil;  // other Python threads (the replica's event loop) run meanwhile
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
-             lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
-             tables.size(1), static_cast<float>(scale));
-    };
+    auto on_pool = [&](auto pool_tag) {
+      using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(pool_tag)>>;
+      auto run = [&](auto kernel) {
+        kernel(q.data_ptr<scalar_t>(), static_cast<const cache_t*>(k_cache.data_ptr()),
+               static_cast<const cache_t*>(v_cache.data_ptr()), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+               out.data_ptr<scalar_t>(), batch, heads, kv_heads, head_dim, num_blocks, block_size, tables.size(1),
+               static_cast<float>(scale));
+      };
 #if defined(__AVX512F__)
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (head_dim == 64) return run(decode_avx512<scalar_t, 64>);
-      if (head_dim == 80) return run(decode_avx512<scalar_t, 80>);
-      if (head_dim == 128) return run(decode_avx512<scalar_t, 128>);
-    }
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (head_dim == 64) return run(decode_avx512<scalar_t, cache_t, 64>);
+        if (head_dim == 80) return run(decode_avx512<scalar_t, cache_t, 80>);
+        if (head_dim == 128) return run(decode_avx512<scalar_t, cache_t, 128>);
+      }
 #endif
-    if (head_dim == 64) run(decode_impl<scalar_t, 64>);
-    else if (head_dim == 128) run(decode_impl<scalar_t, 128>);
-    else run(decode_impl<scalar_t, 0>);
+      if (head_dim == 64) run(decode_impl<scalar_t, cache_t, 64>);
+      else if (head_dim == 128) run(decode_impl<scalar_t, cache_t, 128>);
+      else run(decode_impl<scalar_t, cache_t, 0>);
+    };
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      on_pool(static_cast<const scalar_t*>(nullptr));
+    } else if (fp8) {
+      with_fp8_cache(k_cache.scalar_type(), on_pool);
+    } else {
+      on_pool(static_cast<const scalar_t*>(nullptr));
+    }
   });
   return out;
 }

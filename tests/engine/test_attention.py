@@ -51,6 +51,29 @@ def test_decode_matches_sdpa_over_ragged_contexts(decode_fn, head_dim, dtype, to
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_decode_over_an_fp8_pool_equals_decode_over_its_widened_values(isa, cache_dtype, dtype, head_dim):
+    """kv_cache_dtype fp8: the kernel widens each byte as it reads (e5m2 as fp16's top byte, e4m3 through fp16's
+    places times 2^8), on the AVX-512 path and on the portable one (`-mno-avx512f`, what AVX2-only CPUs run), from
+    subnormals (1e-3) to e4m3's largest, over one part and several (600 keys)."""
+    if not cpu_kernels.have_compiler():
+        pytest.skip("no C++ compiler on this machine")
+    op = cpu_kernels.build_kernels(() if isa == "native" else ("-mno-avx512f",)).paged_decode
+    g = torch.Generator().manual_seed(head_dim)
+    spread = torch.logspace(-3, 2.6, 64 * BLOCK).view(1, 64, BLOCK, 1)  # every magnitude, scattered over the blocks
+    k8, v8 = ((torch.randn(KV_HEADS, 64, BLOCK, head_dim, generator=g) * spread).to(cache_dtype) for _ in range(2))
+    lens = torch.tensor([1, 17, 100, 600])
+    tables = torch.stack([torch.randperm(64, generator=g)[:38] for _ in lens])
+    q = torch.randn(len(lens), HEADS, head_dim, generator=g).to(dtype) * 0.05
+    got = op(q, k8, v8, tables, lens, head_dim**-0.5).float()
+    want = op(q.float(), k8.float(), v8.float(), tables, lens, head_dim**-0.5)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2 * want.abs().max()  # bf16: the output's rounding
+    assert (got - want).abs().max() <= tolerance
+
+
 @pytest.mark.slow
 def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatch):
     import torch.utils.cpp_extension

@@ -5,12 +5,10 @@ from engine.attention_backend import choose_attention_backend
 from engine.config import EngineConfig
 
 
-def test_an_fp8_cache_on_cpu_runs_the_torch_path_and_refuses_the_cpp_kernels():
-    assert choose_attention_backend(EngineConfig(kv_cache_dtype="fp8"), "cpu") == "torch"
+def test_an_fp8_cache_keeps_each_devices_default_backend():
+    assert choose_attention_backend(EngineConfig(kv_cache_dtype="fp8"), "cpu") == "cpp"
     assert choose_attention_backend(EngineConfig(kv_cache_dtype="fp8_e5m2", attention_backend="torch"), "cpu") == "torch"
-    assert choose_attention_backend(EngineConfig(), "cpu") == "cpp"
-    with pytest.raises(ValueError, match="kv_cache_dtype fp8_e4m3 runs on attention_backend torch"):
-        choose_attention_backend(EngineConfig(kv_cache_dtype="fp8_e4m3", attention_backend="cpp"), "cpu")
+    assert choose_attention_backend(EngineConfig(kv_cache_dtype="fp8_e5m2"), "cuda", (9, 0)) == "triton"
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e4m3"])
