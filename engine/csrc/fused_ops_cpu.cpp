@@ -8,8 +8,16 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -139,21 +147,84 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
 
 // Writes each new token's key and value [T, kv_heads, D] (rows may be strided views of the merged projection) into
 // its pool slot of the caches [kv_heads, num_blocks, block_size, D].
+namespace {
+
+// One fp8 format (kv_cache_dtype) as the write rounds to it: mantissa bits, smallest normal, largest finite value.
+struct Fp8Format {
+  int mantissa;
+  float min_normal, largest;
+};
+
+// n values to fp8 bytes: rounded to nearest even, saturated at the largest finite value; the bytes of torch's
+// saturated cast (and of the Triton write, engine/kernels/triton/common.py's round_to_fp8, which this mirrors).
+template <typename scalar_t>
+void to_fp8(const scalar_t* src, uint8_t* dst, int64_t n, const Fp8Format& f, bool e4m3) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    const int dropped = 23 - f.mantissa;
+    const __m512i half_ulp = _mm512_set1_epi32((1 << (dropped - 1)) - 1), keep = _mm512_set1_epi32(-(1 << dropped));
+    const __m512 min_normal = _mm512_set1_ps(f.min_normal), largest = _mm512_set1_ps(f.largest);
+    const __m512i magnitude_bits = _mm512_set1_epi32(0x7FFFFFFF);
+    for (; i + 16 <= n; i += 16) {
+      __m512 x;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        x = _mm512_loadu_ps(src + i);
+      } else {
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16));
+      }
+      const __m512i sign = _mm512_andnot_si512(magnitude_bits, _mm512_castps_si512(x));
+      const __m512 magnitude = _mm512_min_ps(_mm512_abs_ps(x), largest);
+      // subnormals sit on a grid of min_normal * 2^-mantissa: shifted up by min_normal, it is their ulp
+      const __mmask16 small = _mm512_cmp_ps_mask(magnitude, min_normal, _CMP_LT_OQ);
+      const __m512i bits = _mm512_castps_si512(_mm512_mask_add_ps(magnitude, small, magnitude, min_normal));
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, dropped), _mm512_set1_epi32(1));
+      __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, half_ulp), odd), keep));
+      rounded = _mm512_mask_sub_ps(rounded, small, rounded, min_normal);
+      // exactly representable now: e5m2 is fp16's top byte; e4m3 times 2^-8 is fp16 with e4m3's bits in its places
+      if (e4m3) rounded = _mm512_mul_ps(rounded, _mm512_set1_ps(1.f / 256.f));
+      const __m256i half = _mm256_or_si256(_mm512_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(sign, 16)));
+      const __m256i byte = e4m3 ? _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(half, 7), _mm256_set1_epi16(0x7F)),
+                                                  _mm256_and_si256(_mm256_srli_epi16(half, 8), _mm256_set1_epi16(0x80)))
+                                : _mm256_srli_epi16(half, 8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtepi16_epi8(byte));
+    }
+  }
+#endif
+  for (; i < n; ++i) {  // c10's conversions round to nearest even; e5m2's overflows to inf, hence the clamp first
+    const float x = std::clamp(static_cast<float>(src[i]), -f.largest, f.largest);
+    dst[i] = e4m3 ? c10::Float8_e4m3fn(x).x : c10::Float8_e5m2(x).x;
+  }
+}
+
+}  // namespace
+
+// New K/V rows into their pool slots: a copy where the pool has their dtype, a rounding to one byte a value where
+// the pool is fp8 (kv_cache_dtype).
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor key, at::Tensor value, at::Tensor slots) {
   ReleaseGil no_gil;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong);
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && key.scalar_type() == value.scalar_type());
+  const bool e4m3 = k_cache.scalar_type() == at::kFloat8_e4m3fn, fp8 = e4m3 || k_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(fp8 || key.scalar_type() == k_cache.scalar_type(), "K/V rows and pool must share a dtype, or the pool be fp8");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be dense in head_dim");
   const int64_t tokens = key.size(0), kv_heads = key.size(1), head_dim = key.size(2);
   const int64_t pool_slots = k_cache.size(1) * k_cache.size(2);
   const int64_t* slot = slots.data_ptr<int64_t>();
+  const Fp8Format format = e4m3 ? Fp8Format{3, 0.015625f, 448.f} : Fp8Format{2, 6.103515625e-05f, 57344.f};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv", [&] {
+    auto put = [&](const scalar_t* row, const at::Tensor& cache, int64_t dst) {
+      if (fp8) return to_fp8(row, static_cast<uint8_t*>(cache.data_ptr()) + dst, head_dim, format, e4m3);
+      std::copy_n(row, head_dim, cache.data_ptr<scalar_t>() + dst);
+    };
     for (int64_t t = 0; t < tokens; ++t) {
       TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "slot out of the pool");
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t dst = (h * pool_slots + slot[t]) * head_dim;
-        std::copy_n(key.data_ptr<scalar_t>() + t * key.stride(0) + h * key.stride(1), head_dim, k_cache.data_ptr<scalar_t>() + dst);
-        std::copy_n(value.data_ptr<scalar_t>() + t * value.stride(0) + h * value.stride(1), head_dim, v_cache.data_ptr<scalar_t>() + dst);
+        put(key.data_ptr<scalar_t>() + t * key.stride(0) + h * key.stride(1), k_cache, dst);
+        put(value.data_ptr<scalar_t>() + t * value.stride(0) + h * value.stride(1), v_cache, dst);
       }
     }
   });

@@ -105,7 +105,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scaling: float) -> torch.Tensor:
     """Write one layer's new K/V into its pools, then attend each sequence over its context."""
-    if meta.write_kv is not None and key.dtype == k_cache.dtype:
+    if meta.write_kv is not None and (key.dtype == k_cache.dtype or is_fp8(k_cache.dtype)):
         meta.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     else:
         kv_heads, _, _, head_dim = k_cache.shape

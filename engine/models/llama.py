@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.layers.activation import silu_and_mul
 from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.kv_cache_dtype import is_fp8
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.logits import LMHead
 from engine.layers.norm import RMSNorm
@@ -99,10 +100,12 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if (weights := self.native_decode_weights(hidden.shape[0], meta)) is not None:
             decode = meta.decode
+            # the region reads and writes a pool of the model's dtype; an fp8 one goes op by op
+            one_region = self.one_region and weights is self.native_weights and \
+                meta.kv_layers[0][0].dtype == self.embed_tokens.weight.dtype
             hidden, residual = self.fused.decode_layers(
                 hidden, weights, [t for pair in meta.kv_layers for t in pair], positions, self.rotary.cos,
-                self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape,
-                self.one_region and weights is self.native_weights)
+                self.rotary.sin, meta.slot_mapping, decode.block_tables, decode.context_lens, *self.shape, one_region)
             return self.norm(hidden, residual)[0]
         return self.layers_forward(hidden, positions, meta)
 
@@ -144,8 +147,9 @@ class LlamaModel(nn.Module):
         """The weights for one native call over all layers, or None (layer by layer): decodes only, with the C++
         attention and KV write; on the blocks up to their crossover, as the layers read them, past it dense."""
         decode = meta.decode
+        pool = meta.kv_layers[0][0].dtype
         if (meta.prefills or decode is None or decode.kernel is None or meta.write_kv is None or self.lora_active
-                or meta.kv_layers[0][0].dtype != self.embed_tokens.weight.dtype):
+                or (pool != self.embed_tokens.weight.dtype and not is_fp8(pool))):
             return None
         if self.native_weights is not None and num_tokens <= self.layers[0].mlp.down_proj.block_rows:
             return self.native_weights

@@ -7,6 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from engine import cpu_kernels
 from engine.cpu_kernels import build_fused_ops
 from engine.layers.activation import silu_and_mul
 from engine.layers.linear import Linear, MergedLinear, can_pack
@@ -116,3 +117,25 @@ def test_fused_kv_write_lands_in_the_slots_index_copy_would():
     for cache, new in zip(ours, (key, value)):
         expected = torch.zeros(kv_heads, blocks * block_size, head_dim).index_copy_(1, slots, new.transpose(0, 1))
         assert torch.equal(cache.view(kv_heads, -1, head_dim), expected)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_kv_write_to_an_fp8_pool_stores_torchs_saturated_cast(isa, cache_dtype, dtype):
+    """kv_cache_dtype fp8: the bytes of torch's cast (round to nearest even, saturated at the format's largest
+    value) from subnormals (1e-9) to past the range, -0.0 kept; rows of 88 values take the AVX-512 path (fp32 and
+    bf16) and its scalar tail, and the portable build (`-mno-avx512f`) the scalar one."""
+    kernels = cpu_kernels.build_kernels(() if isa == "native" else ("-mno-avx512f",))
+    g = torch.Generator().manual_seed(1)
+    tokens, kv_heads, head_dim = 40, 2, 88
+    scale = torch.logspace(-9, 5.2, tokens)[:, None, None]
+    key, value = ((torch.randn(tokens, kv_heads, head_dim, generator=g) * scale).to(dtype) for _ in range(2))
+    key[0, 0, :8] = torch.tensor([7.77, 500.0, -1000.0, 1e5, 0.0123, 0.0, -0.0, 447.9])
+    pools = [torch.zeros(kv_heads, 4, 16, head_dim, dtype=cache_dtype) for _ in range(2)]
+    slots = torch.randperm(64, generator=g)[:tokens]
+    kernels.write_kv(*pools, key, value, slots)
+    largest = torch.finfo(cache_dtype).max
+    for pool, rows in zip(pools, (key, value)):
+        stored = pool.view(torch.uint8).view(kv_heads, -1, head_dim)[:, slots].transpose(0, 1)
+        assert torch.equal(stored, rows.clamp(-largest, largest).to(cache_dtype).view(torch.uint8))
