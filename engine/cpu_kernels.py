@@ -110,10 +110,11 @@ def greedy_op():
     return kernels.greedy_or_invalid_cpu if kernels is not None else None
 
 
-def paged_prefill_op(dtype, head_dim: int, block_size: int):
+def paged_prefill_op(dtype, head_dim: int, block_size: int, pool_dtype=None):
     """The bf16 prefill kernel where the model and pool fit it, taking all of a step's chunks in one call
     (`paged_prefill_batch`'s arguments): on AMX tiles where the CPU has them and Linux grants them (4-5x the
-    AVX512-BF16 kernel there, which ran at half of SDPA's speed on those CPUs), else on AVX512-BF16, else None (SDPA)."""
+    AVX512-BF16 kernel there, which ran at half of SDPA's speed on those CPUs), else on AVX512-BF16, else None (SDPA).
+    `pool_dtype` (the model's where None): an fp8 pool (kv_cache_dtype) only the AMX kernel reads."""
     import torch
 
     if dtype != torch.bfloat16 or head_dim not in (64, 128) or block_size % 16:
@@ -121,7 +122,9 @@ def paged_prefill_op(dtype, head_dim: int, block_size: int):
     kernels = _built_or_none(build_kernels, "C++ prefill attention", "SDPA")
     if kernels is None or not kernels.has_bf16_prefill():
         return None
-    return kernels.paged_prefill_amx_batch if kernels.has_amx_prefill() else kernels.paged_prefill_batch
+    if kernels.has_amx_prefill():
+        return kernels.paged_prefill_amx_batch
+    return kernels.paged_prefill_batch if pool_dtype in (None, dtype) else None
 
 
 def _built_or_none(build, what: str, fallback: str):

@@ -71,8 +71,8 @@ class LLMEngine:
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None
         write_kv = fused.write_kv if fused is not None else None
-        prefill_kernel = None if decode_kernel is None or self.kv_dtype != self.dtype else \
-            paged_prefill_op(self.dtype, kv_geometry(self.model.config)[2], config.block_size)  # not on an fp8 pool
+        prefill_kernel = None if decode_kernel is None else \
+            paged_prefill_op(self.dtype, kv_geometry(self.model.config)[2], config.block_size, self.kv_dtype)
         self.phases = PhaseTimer(cuda=self.device.type == "cuda")
         self.gc_pauses = GcPauses()
         self.resident_memory = ResidentMemory()

@@ -72,6 +72,14 @@ struct Packed {
   }
 };
 
+// `rows` rows of D fp8 values (an fp8 pool's, kv_cache_dtype) widened to bf16, exactly: every fp8 value is one.
+template <typename fp8_t, int D>
+void widen_rows(const void* src, uint16_t* dst, int64_t rows) {
+  const fp8_t* from = static_cast<const fp8_t*>(src);
+  for (int64_t i = 0; i < rows * D; i += 16)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(load16(from + i)));
+}
+
 // 16 keys and their values (one half of a step; block_size is a multiple of 16, so they lie in one block) into
 // their tiles.
 template <int D>
@@ -82,11 +90,26 @@ void pack_group(const prefill::Chunk& c, const Packed<D>& p, int64_t kv_head, in
   const __mmask16 real = static_cast<__mmask16>((1u << valid) - 1);
   const uint32_t* k = nullptr;
   const uint16_t* v = nullptr;
+  alignas(64) uint16_t wide_k[16 * D], wide_v[16 * D];  // an fp8 pool's rows, widened
   if (valid > 0) {
     const int64_t slot = c.table[key0 / c.block_size] * c.block_size + key0 % c.block_size;
     const int64_t offset = (kv_head * c.num_blocks * c.block_size + slot) * D;
-    k = reinterpret_cast<const uint32_t*>(c.k_cache + offset);
-    v = c.v_cache + offset;
+    if (c.pool == at::kBFloat16) {
+      k = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(c.k_cache) + offset);
+      v = static_cast<const uint16_t*>(c.v_cache) + offset;
+    } else {  // fp8: the 16 rows widened first, then packed from there as from a bf16 block
+      const auto* k_bytes = static_cast<const uint8_t*>(c.k_cache) + offset;
+      const auto* v_bytes = static_cast<const uint8_t*>(c.v_cache) + offset;
+      if (c.pool == at::kFloat8_e4m3fn) {
+        widen_rows<c10::Float8_e4m3fn, D>(k_bytes, wide_k, valid);
+        widen_rows<c10::Float8_e4m3fn, D>(v_bytes, wide_v, valid);
+      } else {
+        widen_rows<c10::Float8_e5m2, D>(k_bytes, wide_k, valid);
+        widen_rows<c10::Float8_e5m2, D>(v_bytes, wide_v, valid);
+      }
+      k = reinterpret_cast<const uint32_t*>(wide_k);
+      v = wide_v;
+    }
   }
   // key tile row w, lane j: the pair of dimensions (32 * part + 2w, + 1) of key j
   const __m512i key_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -303,7 +326,8 @@ at::Tensor paged_prefill_amx_batch(at::Tensor query, at::Tensor k_cache, at::Ten
                                    at::Tensor query_starts, at::Tensor context_lens, double scale) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   TORCH_CHECK(amx_prefill::tiles_permitted(), "the kernel refused AMX tile state (arch_prctl)");
-  auto checked = prefill::checked_chunks(query, k_cache, v_cache, block_tables, query_starts, context_lens, scale);
+  auto checked = prefill::checked_chunks(query, k_cache, v_cache, block_tables, query_starts, context_lens, scale,
+                                         /*fp8_pools=*/true);
   ReleaseGil no_gil;
   if (checked.head_dim == 64) amx_prefill::attend_chunks<64>(checked.chunks, checked.kv_heads);
   else amx_prefill::attend_chunks<128>(checked.chunks, checked.kv_heads);

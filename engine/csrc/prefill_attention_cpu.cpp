@@ -62,10 +62,11 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, uint32_t pair) {
 struct Chunk {
   const uint16_t* q;  // [n, heads, D] with rows q_stride apart
   int64_t q_stride, n, heads, group, context_len, block_size, num_blocks;
-  const uint16_t *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, D]
+  const void *k_cache, *v_cache;  // [kv_heads, num_blocks, block_size, D], bf16, or fp8 bytes where fp8 is set
   const int64_t* table;
   float scale;
   uint16_t* out;  // [n, heads, D], contiguous
+  at::ScalarType pool = at::kBFloat16;  // the AMX kernel also reads fp8 pools (kv_cache_dtype)
 };
 
 template <int D>
@@ -100,8 +101,8 @@ void attend_tile(const Chunk& c, int64_t kv_head, int64_t tile_index, Tile<D>& t
 
   for (int64_t key0 = 0; key0 < keys; key0 += kTile) {
     const int64_t slot = c.table[key0 / c.block_size] * c.block_size + key0 % c.block_size;
-    const uint16_t* k = c.k_cache + head_offset + slot * D;
-    const uint16_t* v = c.v_cache + head_offset + slot * D;
+    const uint16_t* k = static_cast<const uint16_t*>(c.k_cache) + head_offset + slot * D;
+    const uint16_t* v = static_cast<const uint16_t*>(c.v_cache) + head_offset + slot * D;
     const int64_t valid = std::min<int64_t>(kTile, c.context_len - key0);
     const uint32_t* k_pairs = reinterpret_cast<const uint32_t*>(k);
 
@@ -190,9 +191,12 @@ struct CheckedChunks {
 
 inline CheckedChunks checked_chunks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                     const at::Tensor& block_tables, const at::Tensor& query_starts,
-                                    const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16, "paged_prefill takes bf16 queries and a bf16 pool");
+                                    const at::Tensor& context_lens, double scale, bool fp8_pools = false) {
+  const auto pool = k_cache.scalar_type();
+  const bool pool_ok = pool == at::kBFloat16 || (fp8_pools && (pool == at::kFloat8_e4m3fn || pool == at::kFloat8_e5m2));
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && pool_ok && v_cache.scalar_type() == pool,
+              fp8_pools ? "paged_prefill_amx takes bf16 queries and a bf16 or fp8 pool"
+                        : "paged_prefill takes bf16 queries and a bf16 pool");
   TORCH_CHECK(query.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous(), "a contiguous CPU pool");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2), "query [n, heads, D]");
   const int64_t rows = query.size(0), heads = query.size(1), head_dim = query.size(2);
@@ -218,11 +222,9 @@ inline CheckedChunks checked_chunks(const at::Tensor& query, const at::Tensor& k
   std::vector<Chunk> chunks;
   for (int64_t i = 0; i < count; ++i)
     chunks.push_back(Chunk{q + start[i] * query.stride(0), query.stride(0), start[i + 1] - start[i], heads,
-                           heads / kv_heads, len[i], block_size, num_blocks,
-                           reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                           reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+                           heads / kv_heads, len[i], block_size, num_blocks, k_cache.data_ptr(), v_cache.data_ptr(),
                            tables.data_ptr<int64_t>() + i * width, static_cast<float>(scale),
-                           o + start[i] * heads * head_dim});
+                           o + start[i] * heads * head_dim, pool});
   return {tables, out, std::move(chunks), kv_heads, head_dim};
 }
 

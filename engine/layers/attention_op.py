@@ -69,8 +69,8 @@ def paged_attention_op(query, key, value, kv_pool, layer, slot_mapping, decode_t
     prefills = [PrefillChunk(start, end, context_len, table[: -(-context_len // block_size)])
                 for (start, end, context_len), table in zip(prefill_spans.tolist(), prefill_tables)]
     meta = AttentionMetadata([], slot_mapping, decode, prefills, build_fused_ops().write_kv if kernels else None,
-                             prefill_kernel=paged_prefill_op(query.dtype, query.shape[-1], block_size)
-                             if kernels and k_cache.dtype == query.dtype else None)  # the bf16 kernel reads a bf16 pool
+                             prefill_kernel=paged_prefill_op(query.dtype, query.shape[-1], block_size, k_cache.dtype)
+                             if kernels else None)
     return attend(query, key, value, k_cache, v_cache, meta, scaling)
 
 

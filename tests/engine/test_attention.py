@@ -253,6 +253,28 @@ def test_a_steps_chunks_in_one_call_equal_each_chunk_alone(isa):
         batch(q, k_cache, v_cache, padded, starts, lens - torch.tensor([1, 0, 0, 0, 0]), 0.125)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_amx_prefill_over_an_fp8_pool_equals_it_over_the_pool_widened(cache_dtype):
+    """kv_cache_dtype fp8: the AMX kernel widens each 16-key group of an fp8 pool to bf16 (exactly: every fp8 value
+    is a bf16 one) as it packs the tiles, so its output is bit for bit its output over the widened pool; the
+    AVX512-BF16 kernel reads bf16 pools only and says so, and the engine then takes SDPA."""
+    kernel = bf16_prefill_kernel("amx")
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 128, 16, 48
+    spread = torch.logspace(-3, 2.6, block_size).view(1, 1, block_size, 1)  # subnormals to e4m3's largest
+    k8, v8 = ((torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g) * spread).to(cache_dtype)
+              for _ in range(2))
+    for n, context_len in [(1, 1), (37, 37), (5, 40), (100, 333), (3, 600)]:
+        table = torch.randperm(num_blocks, generator=g)[: -(-context_len // block_size)]
+        q = torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
+        got = kernel(q, k8, v8, table, context_len, head_dim ** -0.5)
+        assert torch.equal(got, kernel(q, k8.to(torch.bfloat16), v8.to(torch.bfloat16), table, context_len,
+                                       head_dim ** -0.5)), f"n {n}, context {context_len}"
+    with pytest.raises(RuntimeError, match="paged_prefill takes bf16 queries and a bf16 pool"):
+        cpu_kernels.build_kernels().paged_prefill(q, k8, v8, table, context_len, head_dim ** -0.5)
+    assert cpu_kernels.paged_prefill_op(torch.bfloat16, 128, 16, cache_dtype).__name__ == "paged_prefill_amx_batch"
+
+
 def test_bf16_prefill_runs_on_amx_tiles_where_linux_grants_them():
     """Where both kernels run, the engine takes the AMX one (4-5x the other on such CPUs); fp32 and other head sizes
     keep SDPA."""
