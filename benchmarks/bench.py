@@ -107,8 +107,8 @@ def run_vllm_peer(requests: list[Request], model: str, runs: int, python: Path, 
     # the request's generator, which a CPU generator cannot: "CPU Generator does not use offset"); unseeded rows are
     # its batched fast path, so the peer is not slowed by it either
     workload = [{"prompt_token_ids": prompt_ids(r), "max_tokens": r.max_tokens, **SAMPLINGS[sampling]} for r in requests]
-    return run_vllm_script(python, "vllm_peer.py", resolve_model_path(model), workload, [str(runs), dtype, kv_cache_dtype],
-                           threads)
+    return run_vllm_script(python, "vllm_peer.py", resolve_model_path(model), workload,
+                           [str(runs), dtype, kv_cache_dtype], threads)
 
 
 def summarize(results: list[dict]) -> dict:

@@ -13,7 +13,8 @@ from vllm import LLM, SamplingParams
 
 def main(model_dir: str, workload_path: str, runs: int, dtype: str, kv_cache_dtype: str = "auto") -> None:
     workload = json.loads(open(workload_path).read())
-    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=True,
+              kv_cache_dtype=kv_cache_dtype)
     prompts = [{"prompt_token_ids": w["prompt_token_ids"]} for w in workload]
     knobs = ("temperature", "top_p", "seed")
     params = [SamplingParams(max_tokens=w["max_tokens"], ignore_eos=True, **{k: w[k] for k in knobs if k in w})

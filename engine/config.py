@@ -82,8 +82,8 @@ class EngineConfig(BaseModel):
         "the KV cache's element type (vLLM's flag). auto: the model's dtype; fp8 (e4m3, as in vLLM), fp8_e4m3, "
         "fp8_e5m2: one byte a value, unscaled (vLLM's scale 1.0 where a checkpoint brings none), so a memory budget "
         "holds 2x the blocks of bf16. e4m3 keeps a mantissa bit more, e5m2 a wider range; on CUDA e4m3 needs compute "
-        "capability 8.9 (L4, H100), e5m2 runs from 8.0; on CPU the C++ kernels widen them as they read (prompts: on AMX "
-        "tiles, else SDPA over the widened context)"))
+        "capability 8.9 (L4, H100), e5m2 runs from 8.0; on CPU the C++ kernels widen them as they read "
+        "(prompts: on AMX tiles, else SDPA over the widened context)"))
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = Field(default="auto", description=(
         "auto: the paged Triton kernels on CUDA, the C++ decode kernel on CPU where it builds; torch: the padded "
         "reference path"))

@@ -180,7 +180,8 @@ void to_fp8(const scalar_t* src, uint8_t* dst, int64_t n, const Fp8Format& f, bo
       const __mmask16 small = _mm512_cmp_ps_mask(magnitude, min_normal, _CMP_LT_OQ);
       const __m512i bits = _mm512_castps_si512(_mm512_mask_add_ps(magnitude, small, magnitude, min_normal));
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, dropped), _mm512_set1_epi32(1));
-      __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, half_ulp), odd), keep));
+      const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, half_ulp), odd);  // ties to even
+      __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(up, keep));
       rounded = _mm512_mask_sub_ps(rounded, small, rounded, min_normal);
       // exactly representable now: e5m2 is fp16's top byte; e4m3 times 2^-8 is fp16 with e4m3's bits in its places
       if (e4m3) rounded = _mm512_mul_ps(rounded, _mm512_set1_ps(1.f / 256.f));
@@ -207,8 +208,10 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor key, at::Tensor
   ReleaseGil no_gil;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong);
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && key.scalar_type() == value.scalar_type());
-  const bool e4m3 = k_cache.scalar_type() == at::kFloat8_e4m3fn, fp8 = e4m3 || k_cache.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK(fp8 || key.scalar_type() == k_cache.scalar_type(), "K/V rows and pool must share a dtype, or the pool be fp8");
+  const bool e4m3 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool fp8 = e4m3 || k_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(fp8 || key.scalar_type() == k_cache.scalar_type(),
+              "K/V rows and pool must share a dtype, or the pool be fp8");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be dense in head_dim");
   const int64_t tokens = key.size(0), kv_heads = key.size(1), head_dim = key.size(2);
   const int64_t pool_slots = k_cache.size(1) * k_cache.size(2);

@@ -400,8 +400,8 @@ static void merge_parts(int64_t task, const DecodeSplit& split, const DecodeArgs
 }
 
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
-static void decode_avx512(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_tables,
-                          const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
+static void decode_avx512(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
+                          const int64_t* block_tables, const int64_t* context_lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
   const DecodeArgs<scalar_t, cache_t> args{q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads,
                                            num_blocks, block_size, max_blocks, scale};
@@ -449,7 +449,8 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V pools must share a dtype");
   const bool fp8 = is_fp8(k_cache.scalar_type());
-  TORCH_CHECK(fp8 || query.scalar_type() == k_cache.scalar_type(), "query and KV pool must share a dtype, or the pool be fp8");
+  TORCH_CHECK(fp8 || query.scalar_type() == k_cache.scalar_type(),
+              "query and KV pool must share a dtype, or the pool be fp8");
   TORCH_CHECK(!fp8 || query.scalar_type() != at::kDouble, "an fp8 pool takes fp32, bf16 or fp16 queries");
   auto q = query.contiguous();
   auto tables = block_tables.to(at::kLong).contiguous();

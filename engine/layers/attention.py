@@ -185,5 +185,5 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | No
     """[kv_heads, num_blocks, block_size, D] by [n] block ids -> contiguous [kv_heads, n * block_size, D]."""
     kv_heads, num_blocks, block_size, head_dim = cache.shape
     flat = raw(cache).view(kv_heads, num_blocks, block_size * head_dim)
-    gathered = torch.index_select(flat, 1, block_ids, out=raw(out)) if out is not None else flat.index_select(1, block_ids)
+    gathered = flat.index_select(1, block_ids) if out is None else torch.index_select(flat, 1, block_ids, out=raw(out))
     return gathered.view(cache.dtype).view(kv_heads, -1, head_dim)

@@ -18,7 +18,8 @@ def load_hf_model(model: str, dtype=torch.float32, kv_cache_dtype: torch.dtype |
     """transformers' model with SDPA attention; with `kv_cache_dtype` (fp8) every K and V it attends to is first
     rounded to that type as the engine stores it: the reference for kv_cache_dtype fp8."""
     attention = "sdpa" if kv_cache_dtype is None else _rounded_kv_attention(kv_cache_dtype)
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=dtype, attn_implementation=attention).eval()
+    path = resolve_model_path(model)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention).eval()
 
 
 def _rounded_kv_attention(cache_dtype: torch.dtype) -> str:

@@ -7,7 +7,8 @@ from engine.config import EngineConfig
 
 def test_an_fp8_cache_keeps_each_devices_default_backend():
     assert choose_attention_backend(EngineConfig(kv_cache_dtype="fp8"), "cpu") == "cpp"
-    assert choose_attention_backend(EngineConfig(kv_cache_dtype="fp8_e5m2", attention_backend="torch"), "cpu") == "torch"
+    torch_path = EngineConfig(kv_cache_dtype="fp8_e5m2", attention_backend="torch")
+    assert choose_attention_backend(torch_path, "cpu") == "torch"
     assert choose_attention_backend(EngineConfig(kv_cache_dtype="fp8_e5m2"), "cuda", (9, 0)) == "triton"
 
 

@@ -102,7 +102,8 @@ def test_greedy_output_matches_hf_at_every_position(models, tokenizer, model, de
 
 
 FP8_CASES = [pytest.param(device, backend, mode, marks=marks) for device, backend, marks in BACKENDS
-             for mode in ("plain", "prefix-hits", "preemption") if (device, backend) != ("cpu", "triton") or mode == "plain"]
+             for mode in ("plain", "prefix-hits", "preemption")
+             if (device, backend) != ("cpu", "triton") or mode == "plain"]  # interpreted: one mode (12 s a case)
 
 
 @pytest.mark.slow
