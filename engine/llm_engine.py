@@ -417,6 +417,8 @@ class LLMEngine:
     def attach_metrics(self, metrics: StepMetrics) -> None:
         """Report from now on; counters start from the current totals. Call before the step loop starts."""
         metrics.start_from(self.stats())
+        metrics.cache_config = {"kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
+                                "block_size": str(self.block_manager.block_size)}
         self.metrics = metrics
 
     @property

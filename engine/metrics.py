@@ -43,6 +43,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_num_requests_waiting", "gauge", "Requests queued, not yet scheduled"),
     Metric("engine_kv_cache_usage_ratio", "gauge", "Used KV blocks / total KV blocks"),
     Metric("engine_kv_cache_blocks", "gauge", "KV blocks in the pool: num_kv_blocks, or what the memory profile chose"),
+    Metric("engine_cache_config_info", "gauge", "1, labelled with the KV cache's settings (vLLM's cache_config_info)",
+           ("kv_cache_dtype", "block_size")),
     Metric("engine_prompt_tokens", "counter", "Prefill tokens computed"),
     Metric("engine_generation_tokens", "counter", "Tokens generated"),
     Metric("engine_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
@@ -162,6 +164,7 @@ class StepMetrics:
     lora_requests: dict[str, int] = field(default_factory=dict)  # adapter -> requests that got their first token
     lora_tokens: dict[str, int] = field(default_factory=dict)  # adapter -> tokens generated
     update_seconds: float = 0.0  # time spent flushing, to show it stays a small share of the step
+    cache_config: dict[str, str] | None = None  # engine_cache_config_info's labels, reported at the next flush
     _counters: list[tuple[str, Reading, dict[str, str]]] = field(init=False)
     _reported: list[float] = field(init=False)  # each counter's total at its last flush
 
@@ -196,6 +199,9 @@ class StepMetrics:
         sink.set("engine_num_requests_waiting", stats.num_waiting, base)
         sink.set("engine_kv_cache_usage_ratio", stats.kv_usage, base)
         sink.set("engine_kv_cache_blocks", stats.kv_blocks_total, base)  # what the memory profile chose
+        if self.cache_config is not None:  # settings that never change: once
+            sink.set("engine_cache_config_info", 1, {**base, **self.cache_config})
+            self.cache_config = None
         sink.set("engine_resident_memory_bytes", stats.resident_bytes, base)
         for i, (name, read, labels) in enumerate(self._counters):
             total = read(stats)

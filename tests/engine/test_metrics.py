@@ -33,6 +33,8 @@ CONTRACT = {
     "engine_steps_launched_ahead_total": "counter",
     # added 2026-11-29 (LoRA adapters), to be written into design.md section 5
     "engine_lora_requests_total": "counter", "engine_lora_generation_tokens_total": "counter",
+    # added 2026-11-29 (kv_cache_dtype), to be written into design.md section 5
+    "engine_cache_config_info": "gauge",
 }
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
@@ -77,6 +79,8 @@ def test_counters_and_histograms_match_the_requests(llm32):
     in_steps = engine.step_seconds - step_seconds_before
     assert all(v > 0 for v in phases.values()) and 0.5 * in_steps < sum(phases.values()) <= in_steps, (phases, in_steps)
     assert sample(sink, "engine_resident_memory_bytes") > 100e6  # the model's weights at least
+    # the engine's KV settings, as an operator telling fp8 replicas from others reads them
+    assert sample(sink, "engine_cache_config_info", kv_cache_dtype="float32", block_size="16") == 1
 
 
 def test_steps_launched_ahead_are_counted(llm32):
@@ -106,6 +110,7 @@ def test_every_contract_metric_is_exported_with_model_name():
                        num_steps_ahead=1,
                        spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=3, resident_bytes=2**20,
                        gc_collections={0: 1}, gc_pause_seconds={0: 0.001}, step_seconds=dict.fromkeys(PHASES, 0.5))
+    metrics.cache_config = {"kv_cache_dtype": "float8_e4m3fn", "block_size": "16"}  # as an engine attaching sets it
     metrics.flush(stats, step_tokens=6)
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(sink.registry).decode())}
     for name, kind in CONTRACT.items():  # prometheus_client names counter families without their _total
@@ -113,6 +118,7 @@ def test_every_contract_metric_is_exported_with_model_name():
         assert family is not None and family.type == kind, (name, family and family.type)
         assert family.samples and all(s.labels.get("model_name") == "m" for s in family.samples), name
     assert sample(sink, "engine_kv_cache_usage_ratio") == 0.25 and sample(sink, "engine_kv_cache_blocks") == 4
+    assert sample(sink, "engine_cache_config_info", kv_cache_dtype="float8_e4m3fn", block_size="16") == 1
     metrics.flush(msgspec.structs.replace(stats, generation_tokens=7), step_tokens=1)
     assert sample(sink, "engine_generation_tokens_total") == 7  # deltas, not re-added totals
 

@@ -112,6 +112,9 @@ def test_every_panel_and_rule_evaluates_against_live_prometheus(obs_app, prometh
     wait_for(prometheus, f"sum(ray_engine_num_preemptions_total{{{selector}}})", lambda v: v > 0)
     wait_for(prometheus, f"sum(ray_engine_prefix_cache_hits_total{{{selector}}})", lambda v: v > 0)
     wait_for(prometheus, f"sum(ray_engine_spec_decode_num_draft_tokens_total{{{selector}}})", lambda v: v > 0)
+    # set once by the core as it attaches its metrics, replayed by the replica like every other update
+    wait_for(prometheus, f'max(ray_engine_cache_config_info{{{selector}, kv_cache_dtype!="", block_size!=""}})',
+             lambda v: v == 1)
     time.sleep(3)  # one more scrape, so every rate() has two samples after the last event
 
     empty = []
