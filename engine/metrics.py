@@ -164,7 +164,7 @@ class StepMetrics:
     lora_requests: dict[str, int] = field(default_factory=dict)  # adapter -> requests that got their first token
     lora_tokens: dict[str, int] = field(default_factory=dict)  # adapter -> tokens generated
     update_seconds: float = 0.0  # time spent flushing, to show it stays a small share of the step
-    cache_config: dict[str, str] | None = None  # engine_cache_config_info's labels, reported at the next flush
+    cache_config: dict[str, str] | None = None  # engine_cache_config_info's labels, set by the engine attaching
     _counters: list[tuple[str, Reading, dict[str, str]]] = field(init=False)
     _reported: list[float] = field(init=False)  # each counter's total at its last flush
 
@@ -199,9 +199,8 @@ class StepMetrics:
         sink.set("engine_num_requests_waiting", stats.num_waiting, base)
         sink.set("engine_kv_cache_usage_ratio", stats.kv_usage, base)
         sink.set("engine_kv_cache_blocks", stats.kv_blocks_total, base)  # what the memory profile chose
-        if self.cache_config is not None:  # settings that never change: once
+        if self.cache_config is not None:  # every flush, as every gauge: Ray's exporter drops one left unset a while
             sink.set("engine_cache_config_info", 1, {**base, **self.cache_config})
-            self.cache_config = None
         sink.set("engine_resident_memory_bytes", stats.resident_bytes, base)
         for i, (name, read, labels) in enumerate(self._counters):
             total = read(stats)
