@@ -46,14 +46,21 @@ def as_tensor(values):
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_matches_the_torch_path(dtype, head_dim, group, num_splits):
-    kv_heads, context_lens = 2, [1, 16, 17, 37, 100]
-    k_cache, v_cache = pool(kv_heads, 24, head_dim, dtype)
-    padded, _ = block_tables(context_lens, 24)
-    query = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    error = decode_error(dtype, dtype, head_dim, group, num_splits, [1, 16, 17, 37, 100], num_blocks=24)
+    assert error < TOLERANCE[dtype]
+
+
+def decode_error(dtype, cache_dtype, head_dim, group, num_splits, context_lens, num_blocks) -> float:
+    """max |Triton - torch path| over one decode batch: queries of `dtype`, 2 KV heads in a pool of `cache_dtype`."""
+    kv_heads = 2
+    k_cache, v_cache = pool(kv_heads, num_blocks, head_dim, cache_dtype)
+    padded, _ = block_tables(context_lens, num_blocks)
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=generator).to(DEVICE, dtype)
     decode = DecodeBatch(as_tensor(padded), as_tensor(context_lens), BLOCK_SIZE)
     expected = _decode(query, k_cache, v_cache, decode, head_dim**-0.5)
     got = decode_attention(query, k_cache, v_cache, decode.block_tables, decode.context_lens, head_dim**-0.5, num_splits)
-    assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]
+    return (got.float() - expected.float()).abs().max()
 
 
 def test_split_count_fills_the_gpu_only_where_the_batch_does_not():
@@ -186,14 +193,8 @@ def test_kv_write_to_an_fp8_cache_stores_torchs_saturated_cast(cache_dtype, dtyp
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_decode_over_an_fp8_cache_matches_the_torch_path(cache_dtype, num_splits):
-    kv_heads, group, head_dim, dtype, context_lens = 2, 7, 128, torch.bfloat16, [1, 17, 100, 300]
-    k_cache, v_cache = pool(kv_heads, 40, head_dim, cache_dtype)
-    padded, _ = block_tables(context_lens, 40)
-    query = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
-    decode = DecodeBatch(as_tensor(padded), as_tensor(context_lens), BLOCK_SIZE)
-    expected = _decode(query, k_cache, v_cache, decode, head_dim**-0.5)
-    got = decode_attention(query, k_cache, v_cache, decode.block_tables, decode.context_lens, head_dim**-0.5, num_splits)
-    assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]
+    error = decode_error(torch.bfloat16, cache_dtype, 128, 7, num_splits, [1, 17, 100, 300], num_blocks=40)
+    assert error < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [
