@@ -193,7 +193,7 @@ inline CheckedChunks checked_chunks(const at::Tensor& query, const at::Tensor& k
                                     const at::Tensor& block_tables, const at::Tensor& query_starts,
                                     const at::Tensor& context_lens, double scale, bool fp8_pools = false) {
   const auto pool = k_cache.scalar_type();
-  const bool pool_ok = pool == at::kBFloat16 || (fp8_pools && (pool == at::kFloat8_e4m3fn || pool == at::kFloat8_e5m2));
+  const bool pool_ok = pool == at::kBFloat16 || (fp8_pools && is_fp8(pool));  // paged_attention_cpu.cpp's
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && pool_ok && v_cache.scalar_type() == pool,
               fp8_pools ? "paged_prefill_amx takes bf16 queries and a bf16 or fp8 pool"
                         : "paged_prefill takes bf16 queries and a bf16 pool");
