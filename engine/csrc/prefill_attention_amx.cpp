@@ -77,7 +77,7 @@ template <typename fp8_t, int D>
 void widen_rows(const void* src, uint16_t* dst, int64_t rows) {
   const fp8_t* from = static_cast<const fp8_t*>(src);
   for (int64_t i = 0; i < rows * D; i += 16)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(load16(from + i)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(load_lanes(from + i)));
 }
 
 // 16 keys and their values (one half of a step; block_size is a multiple of 16, so they lie in one block) into
