@@ -9,7 +9,7 @@
 
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(INTERLEAVED_BLOCKS) && defined(PAGED_DECODE_VECTORS)
 
 // One interleaved linear as the region reads it; m is null for Q8_0, bias null for none (fp32, see RegionStep).
 struct RegionLinear {
@@ -180,7 +180,7 @@ std::optional<std::vector<at::Tensor>> decode_layers_in_region(
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
     double eps, double scaling, int64_t weights_per_layer) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(INTERLEAVED_BLOCKS) && defined(PAGED_DECODE_VECTORS)
   const auto dtype = hidden_in.scalar_type();
   if ((dtype != at::kFloat && dtype != at::kBFloat16) || (head_dim != 64 && head_dim != 128)) return std::nullopt;
   RegionStep step;

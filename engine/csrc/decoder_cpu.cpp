@@ -54,7 +54,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor>
   if (one_region) {
     auto out = decode_layers_in_region(hidden, weights, kv_caches, positions, cos, sin, slots, block_tables,
                                        context_lens, heads, kv_heads, head_dim, eps, scaling, kWeightsPerLayer);
-    TORCH_CHECK(out, "one region takes interleaved GGUF blocks (an AVX-512 build), fp32 or bf16, head_dim 64 or 128");
+    TORCH_CHECK(out, "one region takes interleaved GGUF blocks (an AVX-512 or AVX2 build), fp32 or bf16, head_dim 64 or 128");
     return *out;
   }
   const int64_t batch = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;

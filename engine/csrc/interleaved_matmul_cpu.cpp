@@ -1,7 +1,9 @@
-// GGUF blocks of 16 output rows interleaved, for AVX-512: the vector lanes are 16 output rows, so a block's scale
-// and min are one vector load (not a broadcast), and nothing is summed across lanes until the row is done.
+// GGUF blocks of 16 output rows interleaved, for AVX-512 and AVX2: the vector lanes are 16 output rows (AVX2: two
+// vectors of 8), so a block's scale and min are one vector load (not a broadcast), and nothing is summed across
+// lanes until the row is done.
 // Activations are rounded to 16 bits per 32-element block (as the AVX2 path does, quantized_matmul_cpu.cpp), and a
-// pair of them multiplies a pair of weights of all 16 rows in one `vpdpwssd`. The weights stay the file's exact
+// pair of them multiplies a pair of weights of all 16 rows in one `vpdpwssd` (AVX2: `vpmaddwd` and an add per 8
+// rows). Both give the same numbers: exact integer sums, then the same fp32 operations per row. The weights stay the file's exact
 // values; the layout is built once at load (engine/layers/quantized.py's `interleave`).
 //
 // Layout, row group R (rows 16R..16R+15), block g; ek is element 8c+k (Q4) or 4c+k (Q8) of row 16R+i:
@@ -21,6 +23,7 @@
 namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+#define INTERLEAVED_BLOCKS 1
 constexpr int64_t kLanes = 16;
 constexpr int kInterleavedRowTile = 8;  // x rows sharing one load of a block: 8 rows at once took 4.3 ms a sweep, 4 at a time 5.7
 // blocks ahead of the one being read (8 KB of Q4): one-row sweeps of 30 layers over cold weights took 2.1 ms at 32,
@@ -96,6 +99,89 @@ inline void group_dot(const uint8_t* codes, const c10::Half* d, const c10::Half*
   for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INTERLEAVED_BLOCKS 1
+constexpr int64_t kLanes = 16;  // the layout's rows a group, as on AVX-512: here two halves of 8
+// x rows a pass over a group: each holds 4 accumulators (2 halves, fp32 and int32) of the 16 registers, beside the
+// chunk's two halves, their pairs and the broadcast x pair
+constexpr int kInterleavedRowTile = 2;
+constexpr int64_t kPrefetchBlocks = 32;
+
+// One x row's two int32 sums (chains) a half for one row, one for two: as on AVX-512, independent chains where a
+// lone row would wait on `vpaddd` latency.
+template <int ROWS>
+constexpr int kChains = ROWS == 1 ? 2 : 1;
+
+// One row group against ROWS rows of x: out[r * out_stride + i] for the group's 16 rows i; half h of each 64-byte
+// chunk holds rows 8h..8h+7.
+template <bool kQ4, int ROWS>
+inline void group_dot(const uint8_t* codes, const c10::Half* d, const c10::Half* m, const Int16Rows& x, int64_t groups,
+                      float* out, int64_t out_stride) {
+  constexpr int64_t bytes = kQ4 ? 256 : 512;
+  constexpr int chains = kChains<ROWS>;
+  const __m256i nibble = _mm256_set1_epi16(15);
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* q = codes + g * bytes;
+    for (int64_t line = 0; line < bytes; line += 64) {  // past the end is harmless: a prefetch never faults
+      _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchBlocks * bytes + line), _MM_HINT_T0);
+    }
+    __m256i dot[ROWS][2][chains];
+    for (int r = 0; r < ROWS; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < chains; ++j) dot[r][h][j] = _mm256_setzero_si256();
+    // weights w[h] (a pair of 16-bit codes a row) times the x pair at xr, into chain j of every row
+    const auto multiply = [&](const __m256i* w, int64_t x_offset, int j) {
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x.codes + r * x.k + g * kBlock + x_offset, sizeof(pair));
+        const __m256i xp = _mm256_set1_epi32(pair);
+        for (int h = 0; h < 2; ++h) dot[r][h][j] = _mm256_add_epi32(dot[r][h][j], _mm256_madd_epi16(w[h], xp));
+      }
+    };
+    if constexpr (kQ4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32))};
+        for (int p = 0; p < 4; ++p) {  // the pairs (e0,e1) (e2,e3) (e4,e5) (e6,e7): shifts 0, 8, 4, 12
+          const int shift = p == 0 ? 0 : p == 1 ? 8 : p == 2 ? 4 : 12;
+          const __m256i w[2] = {_mm256_and_si256(_mm256_srli_epi16(v[0], shift), nibble),
+                                _mm256_and_si256(_mm256_srli_epi16(v[1], shift), nibble)};
+          multiply(w, 8 * c + 2 * p, p % chains);
+        }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32))};
+        const __m256i even[2] = {_mm256_srai_epi16(_mm256_slli_epi16(v[0], 8), 8),
+                                 _mm256_srai_epi16(_mm256_slli_epi16(v[1], 8), 8)};
+        const __m256i odd[2] = {_mm256_srai_epi16(v[0], 8), _mm256_srai_epi16(v[1], 8)};
+        multiply(even, 4 * c, (2 * c) % chains);
+        multiply(odd, 4 * c + 2, (2 * c + 1) % chains);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kLanes + 8 * h)));
+      for (int r = 0; r < ROWS; ++r) {
+        __m256i total = dot[r][h][0];
+        for (int j = 1; j < chains; ++j) total = _mm256_add_epi32(total, dot[r][h][j]);
+        const __m256 scale = _mm256_mul_ps(vd, _mm256_set1_ps(x.scales[r * groups + g]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[r][h]);
+      }
+      if constexpr (kQ4) {
+        const __m256 vm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kLanes + 8 * h)));
+        for (int r = 0; r < ROWS; ++r) acc[r][h] = _mm256_fmadd_ps(vm, _mm256_set1_ps(x.sums[r * groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * out_stride + 8 * h, acc[r][h]);
+}
+#endif
+
+#if defined(INTERLEAVED_BLOCKS)
 // Row groups [begin, end) of y [m_rows, n] fp32 = x W^T, x given rounded (see Int16Rows).
 template <bool kQ4>
 inline void interleaved_groups(const uint8_t* codes, const c10::Half* d, const c10::Half* m, const Int16Rows& rows,
@@ -151,10 +237,10 @@ at::Tensor matmul_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
               "x must be [M, K] float32 with K a multiple of 32");
   const bool q4 = mins.numel() > 0;
   if (codes.dim() == 3) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(INTERLEAVED_BLOCKS)
     return q4 ? interleaved_matmul<true>(x, codes, scales, mins) : interleaved_matmul<false>(x, codes, scales, mins);
 #else
-    TORCH_CHECK(false, "interleaved GGUF blocks need the AVX-512 build (see interleaved_rows())");
+    TORCH_CHECK(false, "interleaved GGUF blocks need an AVX-512 or AVX2 build (see interleaved_rows())");
 #endif
   }
   return q4 ? block_matmul<Q4Block>(x, codes, scales, mins) : block_matmul<Q8Block>(x, codes, scales, c10::nullopt);
@@ -164,7 +250,7 @@ at::Tensor matmul_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
 
 // How many output rows the kernels want interleaved (engine/layers/quantized.py packs them so); 0: the file's layout.
 int64_t interleaved_rows() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(INTERLEAVED_BLOCKS)
   return kLanes;
 #else
   return 0;

@@ -137,7 +137,7 @@ class LlamaModel(nn.Module):
 
     def _fits_one_region(self, linears: list[Linear]) -> bool:
         """Whether the native call on the blocks can run in one OpenMP region (`engine/csrc/decode_region_cpu.cpp`:
-        1.2-1.3x a one-row step): every linear's blocks interleaved (the AVX-512 build), fp32 or bf16, head_dim 64 or
+        1.2-1.3x a one-row step): every linear's blocks interleaved (AVX-512 and AVX2 builds), fp32 or bf16, head_dim 64 or
         128; else it goes op by op."""
         head_dim = self.shape[2]
         return (all(m.blocks.codes.dim() == 3 for m in linears) and head_dim in (64, 128)

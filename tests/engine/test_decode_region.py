@@ -11,7 +11,7 @@ from tests.engine.models.test_gguf import random_blocks
 
 BLOCK_SIZE = 16
 
-pytestmark = pytest.mark.skipif(not build_kernels().interleaved_rows(), reason="interleaved blocks: AVX-512 builds")
+pytestmark = pytest.mark.skipif(not build_kernels().interleaved_rows(), reason="interleaved blocks: AVX-512 and AVX2 builds")
 
 
 def linear(kind: str, outputs: int, inputs: int, seed: int, dtype, bias: bool) -> list[torch.Tensor]:

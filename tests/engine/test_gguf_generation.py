@@ -70,7 +70,7 @@ def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, 
         module.block_rows = 4  # not the crossover measured at load, which a busy machine can put at 0
     inner = llm.engine.model.model
     assert inner.native_weights is not None
-    assert inner.one_region == bool(build_kernels().interleaved_rows())  # the AVX-512 build: in one OpenMP region
+    assert inner.one_region == bool(build_kernels().interleaved_rows())  # AVX-512 and AVX2 builds: in one OpenMP region
     native_steps = count_native_steps(inner, monkeypatch, on=lambda weights: weights is inner.native_weights)
     prompts = varied_prompts(tokenizer)[:4]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)

@@ -177,6 +177,21 @@ def test_the_avx2_and_portable_kernels_equal_the_dequantized_fp32_matmul(isa, is
             assert_within_the_bound(got, x, blocks, x.double() @ blocks.dequantize().double().T)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif("avx2" not in BUILT_ELSEWHERE, reason="this CPU's best is AVX2: no AVX-512 build to compare with")
+def test_the_avx2_interleaved_kernel_gives_the_avx512_ones_numbers_bit_for_bit(isa_variants):
+    """Both read the same 16-row layout: the integer sums are exact and each row's fp32 operations the same, so AVX2
+    CPUs get AVX-512's outputs exactly, for one to five x rows (the one-row and two-row chains, part tiles)."""
+    for kind in ("q4", "q8"):
+        packed = random_blocks(kind, 48, 256, seed=3).pack()
+        assert packed.codes.dim() == 3
+        args = (packed.codes, packed.scales, packed.mins) if kind == "q4" else (packed.codes, packed.scales)
+        for rows in (1, 2, 3, 5):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            native = getattr(build_block_matmul(), f"{kind}_matmul")(x, *args)
+            assert torch.equal(getattr(isa_variants["avx2"], f"{kind}_matmul")(x, *args), native)
+
+
 def test_the_block_kernel_refuses_activations_that_are_not_whole_blocks():
     blocks = random_blocks("q4", 32, 64, seed=0).pack()
     with pytest.raises(RuntimeError, match="multiple of 32"):
