@@ -4,7 +4,7 @@
 //   q8: W[n, 32g + j] = q*d, q an int8.
 // fp32 accumulation. AVX-512 and AVX2 intrinsics, chosen by the CPU it is built on (-march=native, see cpu_kernels.py),
 // and a plain loop elsewhere; small row counts are where it runs: larger ones go to a dense matmul. These read the
-// file's layout; on AVX-512, matrices of whole 16-row groups are interleaved at load and run by
+// file's layout; on AVX-512 and AVX2, matrices of whole 16-row groups are interleaved at load and run by
 // interleaved_matmul_cpu.cpp instead. The portable path and AVX-512 on the file's layout take fp32 activations (the
 // dequantized fp32 matmul within fp32 rounding); the AVX2 path and the interleaved one round them to 16 bits per
 // block (below), an error of at most 2^-16 of a block's largest activation.

@@ -2,13 +2,13 @@
 step at low load, where reading the weights is the whole cost: Q4_1 is about a sixth of fp32's bytes.
 
 The kernels use each block's exact values and accumulate in fp32, whatever the model's dtype. Before serving,
-`BlockWeight.pack` puts the blocks in the layout this CPU's kernel reads (`PackedBlocks`): on AVX-512, 16 output
-rows interleaved (`engine/csrc/interleaved_matmul_cpu.cpp`), so each extra row of a step costs little; elsewhere the
-file's own (`engine/csrc/quantized_matmul_cpu.cpp`). The AVX2 and interleaved kernels round the activations to 16
-bits per 32-element block (at most 2^-16 of the block's largest |x|), which is what makes them fast; the portable
-one, and AVX-512 on matrices that are not whole 16-row groups, match the dequantized fp32 matmul within fp32
-rounding. Past some row count oneDNN's packed dense matmul wins (`benchmarks/int4_matmul.py`: about 16 rows against
-bf16 with AMX, 3-12 against fp32 on AVX2), so a `Linear` with blocks keeps its packed dense copy too and picks by
+`BlockWeight.pack` puts the blocks in the layout this CPU's kernel reads (`PackedBlocks`): on AVX-512 and AVX2, 16
+output rows interleaved (`engine/csrc/interleaved_matmul_cpu.cpp`), so each extra row of a step costs little;
+elsewhere the file's own (`engine/csrc/quantized_matmul_cpu.cpp`). The AVX2 and interleaved kernels round the
+activations to 16 bits per 32-element block (at most 2^-16 of the block's largest |x|), which is what makes them
+fast; the portable one, and AVX-512 on matrices that are not whole 16-row groups, match the dequantized fp32 matmul
+within fp32 rounding. Past some row count oneDNN's packed dense matmul wins (about 16 rows against bf16 with AMX;
+64-128 against fp32 on an AVX2 Zen 3 with the interleaved blocks, 16-32 in the file's layout), so a `Linear` with blocks keeps its packed dense copy too and picks by
 row count, at a crossover timed on this CPU at its first load (then kept: `engine/models/crossover_cache.py`).
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ class BlockWeight:
         return torch.addcmul(self.mins[..., None], codes, self.scales[..., None]).view(rows, cols)
 
     def pack(self) -> "PackedBlocks":
-        """The blocks in the layout this CPU's kernel reads: 16 rows interleaved where it wants them (AVX-512) and
+        """The blocks in the layout this CPU's kernel reads: 16 rows interleaved where it wants them (AVX-512, AVX2) and
         the scales fit fp16 exactly (GGUF stores them in fp16), else the file's."""
         lanes = build_block_matmul().interleaved_rows()
         rows = self.shape[0]
