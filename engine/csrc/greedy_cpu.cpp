@@ -1,69 +1,127 @@
-// Greedy decoding's pick on CPU in one pass over the logits: each row's argmax (the first on ties, as torch's max),
-// or `invalid` where any of its values is NaN or infinite (sampler.py's greedy_and_finite reads a row twice and
-// takes four torch ops: 63 against 6 us for one fp32 row of SmolLM2's 49,152, 1.8 against 0.19 ms for 64 bf16 rows).
-// Finiteness is read from the exponent bits: the unit is built with -ffast-math, under which isfinite() may fold.
+// Greedy decoding's pick on CPU: each row's argmax (the first on ties, as torch's max), or `invalid` where any of its
+// values is NaN or infinite (sampler.py's greedy_and_finite reads a row twice and takes four torch ops: 63 against
+// 6 us for one fp32 row of SmolLM2's 49,152, 1.8 against 0.19 ms for 64 bf16 rows).
+// Two passes, on AVX-512 and AVX2 alike: the row's maximum (and its exponents') over independent chains, then the
+// first column holding it, which stops early, the row (192 KB in fp32) still in cache. One pass carrying each lane's
+// column waits on a compare and a blend every vector. One fp32 row, one thread, an AMX Xeon running the AVX2 build:
+// 61 us in the scalar loop AVX2 CPUs ran before, 11 in one pass over four chains, 5-6 in these two (BENCHMARKS.md,
+// 2026-12-02). Finiteness is read from the exponent bits: the unit is built with -ffast-math, under which
+// isfinite() may fold.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
 namespace {
 
+constexpr uint32_t kExponent = 0x7f800000u;
+
 inline bool finite_bits(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
-  return (bits & 0x7f800000u) != 0x7f800000u;
+  return (bits & kExponent) != kExponent;
 }
+
+#if defined(PAGED_DECODE_VECTORS)
+// Over paged_attention_cpu.cpp's float lanes (16 on AVX-512, 8 on AVX2).
+#if defined(__AVX512F__)
+using vbits = __m512i;
+static inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+static inline vbits no_bits() { return _mm512_setzero_si512(); }
+static inline vbits max_exponent(vbits seen, vfloat v) {
+  return _mm512_max_epu32(seen, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(kExponent)));
+}
+static inline vbits vmax_bits(vbits a, vbits b) { return _mm512_max_epu32(a, b); }
+static inline void vstore_bits(uint32_t* p, vbits v) { _mm512_store_si512(p, v); }
+static inline uint32_t equal_lanes(vfloat v, vfloat x) { return _mm512_cmp_ps_mask(v, x, _CMP_EQ_OQ); }
+#else
+using vbits = __m256i;
+static inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+static inline vbits no_bits() { return _mm256_setzero_si256(); }
+static inline vbits max_exponent(vbits seen, vfloat v) {
+  return _mm256_max_epu32(seen, _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(kExponent)));
+}
+static inline vbits vmax_bits(vbits a, vbits b) { return _mm256_max_epu32(a, b); }
+static inline void vstore_bits(uint32_t* p, vbits v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+static inline uint32_t equal_lanes(vfloat v, vfloat x) { return _mm256_movemask_ps(_mm256_cmp_ps(v, x, _CMP_EQ_OQ)); }
+#endif
+
+constexpr int kRunningMaxima = 4;  // independent chains: one would wait on max's latency every vector
+
+// The maximum of row[0, vectors) (vectors a multiple of kFloatLanes), and whether every value there is finite.
+template <typename scalar_t>
+float vector_max(const scalar_t* row, int64_t vectors, bool& finite) {
+  vfloat best[kRunningMaxima];
+  vbits exponents[kRunningMaxima];
+  for (int c = 0; c < kRunningMaxima; ++c) {
+    best[c] = vset1(std::numeric_limits<float>::lowest());
+    exponents[c] = no_bits();
+  }
+  int64_t i = 0;
+  for (; i + kRunningMaxima * kFloatLanes <= vectors; i += kRunningMaxima * kFloatLanes) {
+    for (int c = 0; c < kRunningMaxima; ++c) {
+      const vfloat v = load_lanes(row + i + c * kFloatLanes);
+      best[c] = vmax(best[c], v);
+      exponents[c] = max_exponent(exponents[c], v);
+    }
+  }
+  for (; i < vectors; i += kFloatLanes) {
+    const vfloat v = load_lanes(row + i);
+    best[0] = vmax(best[0], v);
+    exponents[0] = max_exponent(exponents[0], v);
+  }
+  for (int c = 1; c < kRunningMaxima; ++c) {
+    best[0] = vmax(best[0], best[c]);
+    exponents[0] = vmax_bits(exponents[0], exponents[c]);
+  }
+  alignas(64) float values[kFloatLanes];
+  alignas(64) uint32_t exponent[kFloatLanes];
+  vstore_aligned(values, best[0]);
+  vstore_bits(exponent, exponents[0]);
+  finite = std::find(exponent, exponent + kFloatLanes, kExponent) == exponent + kFloatLanes;
+  return *std::max_element(values, values + kFloatLanes);
+}
+
+// The first column of row[0, vectors) holding x, one of its values (0 where none is).
+template <typename scalar_t>
+int64_t first_equal(const scalar_t* row, int64_t vectors, float x) {
+  const vfloat target = vset1(x);
+  for (int64_t i = 0; i < vectors; i += kFloatLanes) {
+    if (const uint32_t lanes = equal_lanes(load_lanes(row + i), target)) return i + __builtin_ctz(lanes);
+  }
+  return 0;
+}
+#endif
 
 template <typename scalar_t>
 int64_t row_greedy(const scalar_t* row, int64_t n, int64_t invalid) {
   float best = std::numeric_limits<float>::lowest();
-  int64_t at = 0, i = 0;
+  int64_t vectors = 0;
   bool finite = true;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-    const __m512i exponent = _mm512_set1_epi32(0x7f800000);
-    __m512 lane_best = _mm512_set1_ps(best);
-    __m512i lane_at = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __mmask16 bad = 0;
-    for (; i + 16 <= n; i += 16) {
-      __m512 v;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        v = _mm512_loadu_ps(row + i);
-      } else {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
-        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      }
-      bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
-      const __mmask16 higher = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);  // strictly: a lane keeps its first
-      lane_best = _mm512_mask_mov_ps(lane_best, higher, v);
-      lane_at = _mm512_mask_mov_epi32(lane_at, higher, index);
-      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
-    }
-    finite = bad == 0;
-    alignas(64) float values[16];
-    alignas(64) int32_t where[16];
-    _mm512_store_ps(values, lane_best);
-    _mm512_store_si512(where, lane_at);
-    for (int lane = 0; lane < 16; ++lane) {  // the highest value, and of its ties the first column
-      if (values[lane] > best || (values[lane] == best && where[lane] < at)) {
-        best = values[lane];
-        at = where[lane];
-      }
-    }
+#if defined(PAGED_DECODE_VECTORS)
+  if constexpr (!std::is_same_v<scalar_t, double>) {  // fp32, bf16 and fp16 widen to float lanes
+    vectors = n / kFloatLanes * kFloatLanes;
+    if (vectors) best = vector_max(row, vectors, finite);
   }
 #endif
-  for (; i < n; ++i) {
+  int64_t tail_at = -1;  // a column past the vectors wins only over a strictly lower maximum
+  for (int64_t i = vectors; i < n; ++i) {
     const float v = static_cast<float>(row[i]);
     finite = finite && finite_bits(v);
     if (v > best) {
       best = v;
-      at = i;
+      tail_at = i;
     }
   }
-  return finite ? at : invalid;
+  if (!finite) return invalid;
+  if (tail_at >= 0 || !vectors) return std::max<int64_t>(tail_at, 0);  // 0: every value the lowest float
+#if defined(PAGED_DECODE_VECTORS)
+  if constexpr (!std::is_same_v<scalar_t, double>) return first_equal(row, vectors, best);
+#endif
+  return 0;
 }
 
 }  // namespace

@@ -9,6 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from engine.models import resolve_model_path
 
+# The C++ kernels built with wider ISAs switched off (`build_kernels(flags)`): the paths other CPUs take, checked here
+ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
+
 NEAR_TIE = 1e-3  # the engine may pick another token only where HF's top two are this close (logprob)
 LOGPROB_TOLERANCE = 1e-3  # engine vs HF logprob of the chosen token, fp32; measured gaps are ~2e-5
 MIN_DISTINCT_TOKENS = 10  # mean distinct tokens per output: a model that repeats itself would hide broken attention
