@@ -12,6 +12,15 @@ from engine.models import resolve_model_path
 # The C++ kernels built with wider ISAs switched off (`build_kernels(flags)`): the paths other CPUs take, checked here
 ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
+
+def isa_flags(isa: str) -> tuple[str, ...]:
+    """build_kernels' flags for "native" or an ISA_VARIANTS key. On a CPU whose best is AVX2 the native build already
+    is the AVX2 path: a second build of the same code takes about 48 s on a 2-core AVX2 VM."""
+    if isa == "native" or (isa == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2"):
+        return ()
+    return ISA_VARIANTS[isa]
+
+
 NEAR_TIE = 1e-3  # the engine may pick another token only where HF's top two are this close (logprob)
 LOGPROB_TOLERANCE = 1e-3  # engine vs HF logprob of the chosen token, fp32; measured gaps are ~2e-5
 MIN_DISTINCT_TOKENS = 10  # mean distinct tokens per output: a model that repeats itself would hide broken attention
