@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import cpu_flags  # noqa: E402  the sibling script
-from engine.cpu_kernels import UNIT  # noqa: E402
+from engine.cpu_kernels import CFLAGS, ISA_VARIANTS, LDFLAGS, UNIT  # noqa: E402
 
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
+ISA_FLAGS = {"native": (), **ISA_VARIANTS}
 CASES = [(1, torch.float32), (64, torch.bfloat16), (64, torch.float32)]  # rows of SmolLM2's 49,152 logits
 cli = typer.Typer(add_completion=False)
 
@@ -36,8 +36,8 @@ def build(tree: Path, isa: str):
     sources = [(tree / "engine" / "csrc" / name).read_text() for name in UNIT]
     tag = hashlib.blake2b(f"{tree.resolve()} {isa}".encode(), digest_size=4).hexdigest()
     return load_inline(name=f"greedy_pick_{tag}", cpp_sources=sources, functions=["greedy_or_invalid_cpu"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa]],
-                       extra_ldflags=["-fopenmp", "-lmvec"], no_implicit_headers=True).greedy_or_invalid_cpu
+                       extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(LDFLAGS),
+                       no_implicit_headers=True).greedy_or_invalid_cpu
 
 
 def time_us(kernel, logits: list[torch.Tensor]) -> float:

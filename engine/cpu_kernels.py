@@ -44,6 +44,10 @@ FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "page
              "paged_prefill_batch", "has_bf16_prefill", "paged_prefill_amx", "paged_prefill_amx_batch",
              "has_amx_prefill", "q4_matmul", "q8_matmul", "interleaved_rows", "decode_layers", "nucleus_mask_",
              "greedy_or_invalid_cpu"]
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+LDFLAGS = ("-fopenmp", "-lmvec")
+# extra_cflags that switch wider ISAs off, for the paths other CPUs take (tests, benchmarks/greedy_pick.py)
+ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
 
 @functools.cache
@@ -62,8 +66,8 @@ def build_kernels(extra_cflags: tuple[str, ...] = ()):
             name=f"engine_cpu_kernels_{cpu_features_tag()}{variant}",
             cpp_sources=[(SOURCES / name).read_text() for name in UNIT],
             functions=FUNCTIONS,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", *extra_cflags],
-            extra_ldflags=["-fopenmp", "-lmvec"],
+            extra_cflags=[*CFLAGS, *extra_cflags],
+            extra_ldflags=list(LDFLAGS),
             verbose=False,
             **lean,
         )

@@ -117,11 +117,13 @@ int64_t row_greedy(const scalar_t* row, int64_t n, int64_t invalid) {
     }
   }
   if (!finite) return invalid;
-  if (tail_at >= 0 || !vectors) return std::max<int64_t>(tail_at, 0);  // 0: every value the lowest float
+  if (tail_at >= 0) return tail_at;
 #if defined(PAGED_DECODE_VECTORS)
-  if constexpr (!std::is_same_v<scalar_t, double>) return first_equal(row, vectors, best);
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    if (vectors) return first_equal(row, vectors, best);
+  }
 #endif
-  return 0;
+  return 0;  // every value the lowest float
 }
 
 }  // namespace

@@ -7,10 +7,8 @@ import functools
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.cpu_kernels import ISA_VARIANTS
 from engine.models import resolve_model_path
-
-# The C++ kernels built with wider ISAs switched off (`build_kernels(flags)`): the paths other CPUs take, checked here
-ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
 
 def isa_flags(isa: str) -> tuple[str, ...]:
