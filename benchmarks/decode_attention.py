@@ -1,50 +1,96 @@
-"""The C++ decode-attention kernel alone, as the engine meets it: one cold KV pool per layer, each sequence's blocks
-scattered at random, reported against the machine's read bandwidth (a sum over 1 GiB).
+"""The C++ decode-attention kernel alone, as the engine meets it: one cold KV pool for all layers on 2 MB pages (as
+the engine asks for its pool), each sequence's blocks scattered at random, timed against what this layout allows:
+the machine's read bandwidth (a sum over 1 GiB, one stream per thread), and the same K and V rows walked with no arithmetic in
+the kernel's order (K rows, then V rows: two passes) and with K and V of a key together (one pass), with the
+kernel's prefetch (`kv_walk.cpp`). The kernel, the walks and the sum alternate, medians of the rounds.
 
-python benchmarks/decode_attention.py --batch 128 --context 200
+python benchmarks/decode_attention.py --batch 64 --context 200 --out benchmarks/results/decode-attention.json
 """
 from __future__ import annotations
 
+import json
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from engine.cpu_kernels import build_paged_decode
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import cpu_flags  # noqa: E402  the sibling script
+from engine.cpu_kernels import CFLAGS, LDFLAGS, build_paged_decode  # noqa: E402
+from engine.host_memory import ask_huge_pages  # noqa: E402
 
 cli = typer.Typer(add_completion=False)
 
 
-def read_bandwidth_gbs(repeats: int = 5) -> float:
-    x = torch.randn(256 * 1024 * 1024 // 4)
-    x.sum()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        x.sum()
-    return x.numel() * 4 * repeats / (time.perf_counter() - start) / 1e9
+def kv_walk():
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name="benchmark_kv_walk", cpp_sources=[(Path(__file__).parent / "kv_walk.cpp").read_text()],
+                       functions=["kv_walk"], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS)).kv_walk
+
+
+def huge_page_tensor(shape, dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype)
+    ask_huge_pages(tensor)  # before the first touch, or the pages are 4 KB
+    return tensor
+
+
+def median_ms(timings: list[float]) -> float:
+    return round(1e3 * statistics.median(timings), 2)
 
 
 @cli.command()
-def main(batch: int = 128, context: int = 200, heads: int = 9, kv_heads: int = 3, head_dim: int = 64, block_size: int = 16,
-         layers: int = 30, threads: int = 2, dtype: str = "bfloat16", repeats: int = 5):
+def main(batch: int = 64, context: int = 200, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
+         block_size: int = 16, layers: int = 30, threads: int = 2, dtype: str = "bfloat16", rounds: int = 7,
+         stream_mib: int = 1024, out: Path | None = None):
+    """SmolLM2-135M's attention shape by default (9 query heads on 3 KV heads of 64)."""
     torch.set_num_threads(threads)
-    op, dt = build_paged_decode(), getattr(torch, dtype)
+    op, walk, dt = build_paged_decode(), kv_walk(), getattr(torch, dtype)
     per_seq = -(-context // block_size)
     num_blocks = batch * per_seq * 2
-    g = torch.Generator().manual_seed(0)
-    pools = [tuple(torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(dt) for _ in range(2))
-             for _ in range(layers)]
-    tables = torch.randperm(num_blocks, generator=g)[: batch * per_seq].view(batch, per_seq)
-    lens, q = torch.full((batch,), context), torch.randn(batch, heads, head_dim, generator=g).to(dt)
-    sweep = lambda: [op(q, k, v, tables, lens, head_dim**-0.5) for k, v in pools]  # noqa: E731
-    sweep()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        sweep()
-    ms = (time.perf_counter() - start) / repeats * 1e3
+    generator = torch.Generator().manual_seed(0)
+    pool = huge_page_tensor((layers, 2, kv_heads, num_blocks, block_size, head_dim), dt)
+    pool.normal_(generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[: batch * per_seq].view(batch, per_seq)
+    lens, q = torch.full((batch,), context), torch.randn(batch, heads, head_dim, generator=generator).to(dt)
+    stream = huge_page_tensor((stream_mib << 18,), torch.float32).fill_(1.0)
+    cases = {
+        "kernel": lambda: [op(q, pool[i, 0], pool[i, 1], tables, lens, head_dim**-0.5) for i in range(layers)],
+        "walk, two passes": lambda: [walk(pool[i, 0], pool[i, 1], tables, lens, False) for i in range(layers)],
+        "walk, one pass": lambda: [walk(pool[i, 0], pool[i, 1], tables, lens, True) for i in range(layers)],
+        "one stream (sum)": lambda: stream.sum(),
+    }
+    assert cases["walk, two passes"]() == cases["walk, one pass"](), "the walks read different rows"
+    timings: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, run in cases.items():
+            started = time.perf_counter()
+            run()
+            timings[name].append(time.perf_counter() - started)
     kv_bytes = batch * context * kv_heads * head_dim * 2 * dt.itemsize * layers
-    print(f"{layers} layers, batch {batch}, context {context}, {dtype}, {threads} threads: {ms:.1f} ms, "
-          f"{kv_bytes / ms / 1e6:.1f} GB/s of KV read; machine read bandwidth {read_bandwidth_gbs():.1f} GB/s")
+    moved = {name: stream.numel() * 4 if name.startswith("one stream") else kv_bytes for name in cases}
+    rows = [{"case": name, "ms": median_ms(ts[1:]), "gb_s": round(moved[name] / statistics.median(ts[1:]) / 1e9, 1)}
+            for name, ts in timings.items()]
+    table = Table(title=f"decode attention, {layers} layers, batch {batch}, context {context}, {dtype}, "
+                        f"{threads} threads (median of {rounds})")
+    for column in ("case", "ms", "GB/s"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row["case"], str(row["ms"]), str(row["gb_s"]))
+    Console(width=100).print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        settings = dict(batch=batch, context=context, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        block_size=block_size, layers=layers, threads=threads, dtype=dtype, rounds=rounds)
+        out.write_text(json.dumps({"cpu": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                   "settings": settings, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

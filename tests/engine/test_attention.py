@@ -98,19 +98,20 @@ def test_a_failed_kernel_build_raises_for_cpp_and_falls_back_for_auto(monkeypatc
         cpu_kernels.build_kernels.cache_clear()
 
 
-@pytest.mark.parametrize("block_size,heads,kv_heads", [(8, 4, 4), (32, 8, 1), (16, 6, 2)])
-def test_decode_at_other_block_sizes_and_head_groups(decode_fn, block_size, heads, kv_heads):
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size,heads,kv_heads", [(8, 4, 4), (32, 8, 1), (16, 6, 2), (16, 4, 2), (16, 8, 2)])
+def test_decode_at_other_block_sizes_and_head_groups(decode_fn, block_size, heads, kv_heads, head_dim):
     """The kernel walks keys 16 at a time across block boundaries of any size, for any query-head group."""
     g = torch.Generator().manual_seed(block_size)
-    k_cache, v_cache = (torch.randn(kv_heads, 48, block_size, 64, generator=g) for _ in range(2))
+    k_cache, v_cache = (torch.randn(kv_heads, 48, block_size, head_dim, generator=g) for _ in range(2))
     lens = torch.tensor([1, 7, 8, 9, 33, 150])
     width = -(-int(lens.max()) // block_size)
     tables = torch.stack([torch.randperm(48, generator=g)[:width] for _ in lens])
-    q = torch.randn(len(lens), heads, 64, generator=g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
     got = decode_fn(q, k_cache, v_cache, tables, lens)
     for b, n in enumerate(lens.tolist()):
-        k = k_cache[:, tables[b]].reshape(kv_heads, -1, 64)[:, :n]
-        v = v_cache[:, tables[b]].reshape(kv_heads, -1, 64)[:, :n]
+        k = k_cache[:, tables[b]].reshape(kv_heads, -1, head_dim)[:, :n]
+        v = v_cache[:, tables[b]].reshape(kv_heads, -1, head_dim)[:, :n]
         want = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, enable_gqa=True)[:, 0]
         torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
 
