@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import EngineInputError
+from engine.sampling_params import is_int64
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,8 @@ class PoolingParams:
             raise EngineInputError(f"normalize must be true or false, got {self.normalize!r}", "normalize")
         for name in ("dimensions", "truncate_prompt_tokens"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise EngineInputError(f"{name} must be an integer, got {value!r}", name)
+            if value is not None and not is_int64(value):
+                raise EngineInputError(f"{name} must be a 64-bit integer, got {value!r}", name)
         if self.dimensions is not None and self.dimensions < 1:
             raise EngineInputError(f"dimensions must be at least 1, got {self.dimensions}", "dimensions")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:

@@ -24,10 +24,18 @@ MIN_REPETITION_PENALTY = 0.01
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf, and the softmax to NaN.
 SAMPLING_EPS = 1e-5
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
+# Every other integer field travels to the core in msgpack, which holds 64 bits: a fuzzed rerank request's
+# truncate_prompt_tokens of 10^30 failed its encoding, a 500, where it must be a 400 naming the field
+INT64_RANGE = (-(1 << 63), 1 << 63)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_int64(value) -> bool:
+    """An int (not a bool) that a signed 64-bit field holds."""
+    return _is_int(value) and INT64_RANGE[0] <= value < INT64_RANGE[1]
 
 
 def _is_number(value) -> bool:
@@ -88,11 +96,11 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
-        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens"):
-            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
-                bad(f"{name} must be an integer, got {getattr(self, name)!r}", name)
-        if not _is_int(self.top_k):
-            bad(f"top_k must be an integer, got {self.top_k!r}", "top_k")
+        if self.seed is not None and not _is_int(self.seed):
+            bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens", "top_k"):
+            if (getattr(self, name) is not None or name == "top_k") and not is_int64(getattr(self, name)):
+                bad(f"{name} must be a 64-bit integer, got {getattr(self, name)!r}", name)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
                 and self.truncate_prompt_tokens != -1:
             bad(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}",

@@ -40,6 +40,10 @@ CASES = [
     ("temperature too high", "POST", CHAT, chat(temperature=3), {}, 400, "temperature"),
     ("top_p zero", "POST", CHAT, chat(top_p=0), {}, 400, "top_p"),
     ("top_p above one", "POST", CHAT, chat(top_p=1.5), {}, 400, "top_p"),
+    # integers past 64 bits cannot travel to the engine core (msgpack): each was a 500 before it was a 400
+    ("top_k past 64 bits", "POST", CHAT, chat(top_k=10**30), {}, 400, "top_k must be a 64-bit integer"),
+    ("truncate_prompt_tokens past 64 bits", "POST", COMPLETIONS, comp(truncate_prompt_tokens=10**30), {}, 400,
+     "truncate_prompt_tokens must be a 64-bit integer"),
     ("presence_penalty out of range", "POST", CHAT, chat(presence_penalty=5), {}, 400, "presence_penalty"),
     ("empty stop string", "POST", CHAT, chat(stop=[""]), {}, 400, "stop"),
     ("too many stop strings", "POST", CHAT, chat(stop=[f"s{i}" for i in range(17)]), {}, 400, "stop"),
