@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import cpu_flags  # noqa: E402  the sibling script
-from engine.cpu_kernels import CFLAGS, LDFLAGS, build_paged_decode  # noqa: E402
+from engine.cpu_kernels import CFLAGS, LDFLAGS, build_paged_decode, cpu_features_tag  # noqa: E402
 from engine.host_memory import ask_huge_pages  # noqa: E402
 
 cli = typer.Typer(add_completion=False)
@@ -32,18 +32,15 @@ cli = typer.Typer(add_completion=False)
 def kv_walk():
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline(name="benchmark_kv_walk", cpp_sources=[(Path(__file__).parent / "kv_walk.cpp").read_text()],
-                       functions=["kv_walk"], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS)).kv_walk
+    return load_inline(name=f"benchmark_kv_walk_{cpu_features_tag()}",  # -march=native: one build per CPU
+                       cpp_sources=[(Path(__file__).parent / "kv_walk.cpp").read_text()], functions=["kv_walk"],
+                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS)).kv_walk
 
 
 def huge_page_tensor(shape, dtype) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=dtype)
     ask_huge_pages(tensor)  # before the first touch, or the pages are 4 KB
     return tensor
-
-
-def median_ms(timings: list[float]) -> float:
-    return round(1e3 * statistics.median(timings), 2)
 
 
 @cli.command()
@@ -76,8 +73,8 @@ def main(batch: int = 64, context: int = 200, heads: int = 9, kv_heads: int = 3,
             timings[name].append(time.perf_counter() - started)
     kv_bytes = batch * context * kv_heads * head_dim * 2 * dt.itemsize * layers
     moved = {name: stream.numel() * 4 if name.startswith("one stream") else kv_bytes for name in cases}
-    rows = [{"case": name, "ms": median_ms(ts[1:]), "gb_s": round(moved[name] / statistics.median(ts[1:]) / 1e9, 1)}
-            for name, ts in timings.items()]
+    medians = {name: statistics.median(ts[1:]) for name, ts in timings.items()}
+    rows = [{"case": name, "ms": round(1e3 * s, 2), "gb_s": round(moved[name] / s / 1e9, 1)} for name, s in medians.items()]
     table = Table(title=f"decode attention, {layers} layers, batch {batch}, context {context}, {dtype}, "
                         f"{threads} threads (median of {rounds})")
     for column in ("case", "ms", "GB/s"):

@@ -24,12 +24,13 @@ static inline uint64_t add_row(uint64_t acc, const char* row, int64_t bytes) {
   return acc;
 }
 
-// caches [kv_heads, num_blocks, block_size, D] of 2-byte values; one_pass: K and V of a key together
+// caches [kv_heads, num_blocks, block_size, D] of any dtype whose rows are whole cache lines; one_pass: K and V of a
+// key together
 int64_t kv_walk(at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables, at::Tensor context_lens,
                 bool one_pass) {
-  TORCH_CHECK(k_cache.element_size() == 2 && k_cache.size(3) * 2 % 64 == 0, "2-byte rows of whole cache lines");
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t row_bytes = k_cache.size(3) * 2, head_bytes = num_blocks * block_size * row_bytes;
+  const int64_t row_bytes = k_cache.size(3) * k_cache.element_size(), head_bytes = num_blocks * block_size * row_bytes;
+  TORCH_CHECK(row_bytes % 64 == 0, "rows of whole cache lines");
   const int64_t batch = block_tables.size(0), width = block_tables.size(1);
   const char *k = static_cast<const char*>(k_cache.data_ptr()), *v = static_cast<const char*>(v_cache.data_ptr());
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();

@@ -98,9 +98,11 @@ class SamplingParams:
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
         if self.seed is not None and not _is_int(self.seed):
             bad(f"seed must be an integer, got {self.seed!r}", "seed")
-        for name in ("max_tokens", "logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens", "top_k"):
-            if (getattr(self, name) is not None or name == "top_k") and not is_int64(getattr(self, name)):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens"):
+            if getattr(self, name) is not None and not is_int64(getattr(self, name)):
                 bad(f"{name} must be a 64-bit integer, got {getattr(self, name)!r}", name)
+        if not is_int64(self.top_k):
+            bad(f"top_k must be a 64-bit integer, got {self.top_k!r}", "top_k")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
                 and self.truncate_prompt_tokens != -1:
             bad(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}",
