@@ -98,7 +98,10 @@ class SamplingParams:
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
         if self.seed is not None and not _is_int(self.seed):
             bad(f"seed must be an integer, got {self.seed!r}", "seed")
-        for name in ("max_tokens", "logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens"):
+        # max_tokens may be any integer here: the input processor bounds it by the context and names the limit
+        if self.max_tokens is not None and not _is_int(self.max_tokens):
+            bad(f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
+        for name in ("logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens"):
             if getattr(self, name) is not None and not is_int64(getattr(self, name)):
                 bad(f"{name} must be a 64-bit integer, got {getattr(self, name)!r}", name)
         if not is_int64(self.top_k):
