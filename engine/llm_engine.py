@@ -29,7 +29,7 @@ from engine.model_runner import ModelRunner, StepLogits, kv_geometry
 from engine.models import embedding_sizes, load_model, load_tokenizer, model_max_len, resolve_device, resolve_dtype
 from engine.lora_manager import LoRAManager
 from engine.request_inbox import RequestInbox
-from engine.sampler import INVALID_TOKEN
+from engine.sampler import INVALID_TOKEN, NO_ALLOWED_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -338,6 +338,8 @@ class LLMEngine:
             accepted = accepted_length(seq_drafts, targets) if seq_drafts else 0
             if INVALID_TOKEN in targets[: accepted + 1]:  # failed before its blocks publish
                 outputs.append(self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)"))
+            elif NO_ALLOWED_TOKEN in targets[: accepted + 1]:
+                outputs.append(self._fail(seq, *no_allowed_token(seq)))
             else:
                 emitted.append((seq, targets[: accepted + 1], logprobs[row : row + accepted + 1], seq_drafts))
             row += rows
@@ -468,3 +470,13 @@ class LLMEngine:
             **self.counters, **(self.speculator.counters if self.speculator is not None else {}),
             **stats_of(self.phases, self.gc_pauses, self.resident_memory))
 
+
+def no_allowed_token(seq: Sequence) -> tuple[str, str]:
+    """The message and field for a request whose own restrictions left no token to generate (a 400, not a 500)."""
+    params = seq.params
+    fields = [name for name, on in (("allowed_token_ids", params.allowed_token_ids is not None),
+                                    (params.structured_output.param if params.structured_output else "", True),
+                                    ("bad_words", bool(params.bad_words)),
+                                    ("min_tokens", seq.num_output_tokens < params.min_tokens)) if name and on]
+    fields = fields or ["allowed_token_ids"]
+    return f"{' and '.join(fields)} leave no token to generate at output position {seq.num_output_tokens}", fields[0]

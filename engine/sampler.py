@@ -18,6 +18,7 @@ NUCLEUS_CANDIDATES = (64, 1024, 4096)
 CDF_BLOCK = 1024
 PROMPT_LOGPROB_ROWS = 256  # prompt logprobs are worked in chunks of this many rows (each an fp32 [rows, vocab])
 INVALID_TOKEN = -1  # a row whose logits are not finite, or leave no token with weight: the engine fails that request
+NO_ALLOWED_TOKEN = -2  # a row whose own restrictions (allowed ids, bans, grammar) left it no token: its client's fault
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -96,8 +97,8 @@ class Sampler:
         draft_token_ids: list[int | None] | None = None,
         allowed_token_ids: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution), and
-        its logprobs where asked for. Never an id outside [0, vocab).
+        """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution,
+        NO_ALLOWED_TOKEN where its finite logits had every token masked), and its logprobs where asked for. Never an id outside [0, vocab).
 
         Logprobs are the model's own (before any bias, mask or penalty). Then, in order: logit_bias, the only tokens
         a row may produce (`allowed_token_ids`), the tokens it may not produce now (`banned_token_ids`: EOS and stop
@@ -137,13 +138,14 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # worked on in place from here
         logprobs = self._logprobs(logits, params)
         self._restrict(logits, params, banned_token_ids, grammar, allowed_token_ids)
+        emptied = finite & (logits.amax(-1) == float("-inf"))  # the row's own masks left it nothing to choose
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, params, output_token_ids, prompt_token_ids)
-        candidates = finite & (logits.amax(-1) > float("-inf"))  # a mask may leave a row nothing to choose
+        candidates = finite & (logits.amax(-1) > float("-inf"))  # a penalty may push the last one to -inf too
         if all(p.greedy for p in params):
-            tokens = _valid_or_invalid(greedy_tokens(logits), candidates)
+            tokens = _valid_or_invalid(greedy_tokens(logits), candidates, emptied)
         else:
-            tokens = _valid_or_invalid(*self._sample(logits, params, generators, candidates, draft_token_ids))
+            tokens = _valid_or_invalid(*self._sample(logits, params, generators, candidates, draft_token_ids), emptied)
         return tokens, self._pick_logprobs(logprobs, tokens, params)
 
     @staticmethod
@@ -308,7 +310,7 @@ class Sampler:
         """The chosen token's logprob and the top ones, for the rows that asked: one gather and one topk for the
         batch, three host transfers in all, not one per row."""
         picked: list[dict[int, float] | None] = [None] * len(tokens)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != INVALID_TOKEN]
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] >= 0]
         if logprobs is None or not rows:
             return picked
         index = torch.tensor(rows, device=logprobs.device)
@@ -365,8 +367,10 @@ def _marked_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, tokens, INVALID_TOKEN)
 
 
-def _valid_or_invalid(tokens: torch.Tensor, valid: torch.Tensor) -> list[int]:
-    return _marked_invalid(tokens, valid).tolist()  # one host sync for the whole batch
+def _valid_or_invalid(tokens: torch.Tensor, valid: torch.Tensor, emptied: torch.Tensor) -> list[int]:
+    """Each valid row's token; NO_ALLOWED_TOKEN where the row's own masks left no token, else INVALID_TOKEN."""
+    marked = torch.where(emptied, NO_ALLOWED_TOKEN, INVALID_TOKEN)
+    return torch.where(valid, tokens, marked).tolist()  # one host sync for the whole batch
 
 
 def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,27 @@ def test_a_request_whose_forward_fails_fails_alone(llm32, monkeypatch):
     assert engine.consecutive_failed_steps == 0, "the rest of the step ran: the engine is fine"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_restrictions_that_leave_no_token_fail_their_request_by_field_and_no_other(llm32, tokenizer, temperature):
+    """Each is valid alone; together, nothing may come next: the client's fault, named (a 400), not the model's (a
+    500), and the batch-mates run on."""
+    from engine.sampling_params import StructuredOutput
+
+    eos = sorted(llm32.engine.eos_token_ids)
+    x = tokenizer.encode("x", add_special_tokens=False)[0]  # no JSON value begins with it
+    knobs = dict(max_tokens=8, temperature=temperature, seed=1)
+    contradictions = [(SamplingParams(**knobs, allowed_token_ids=eos, min_tokens=2), "allowed_token_ids"),
+                      (SamplingParams(**knobs, allowed_token_ids=[x], structured_output=StructuredOutput(
+                          json_object=True)), "allowed_token_ids"),
+                      (SamplingParams(**knobs, allowed_token_ids=[x], bad_words=["x"]), "allowed_token_ids")]
+    params = [p for p, _ in contradictions] + [ORDINARY]
+    outs = llm32.generate(["Hello there"] * len(params), params, use_tqdm=False)
+    for out, (_, field) in zip(outs, contradictions):
+        assert out.finish_reason == "abort" and out.error_param == field and "leave no token" in out.error, out
+        assert "NaN" not in out.error
+    assert outs[-1].error is None and len(outs[-1].token_ids) == 8
+
+
 def test_non_finite_logits_fail_only_their_request_and_never_leave_the_vocabulary(llm32, monkeypatch):
     engine = llm32.engine
     execute = engine.runner.execute

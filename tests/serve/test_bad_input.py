@@ -44,6 +44,9 @@ CASES = [
     ("top_k past 64 bits", "POST", CHAT, chat(top_k=10**30), {}, 400, "top_k must be a 64-bit integer"),
     ("truncate_prompt_tokens past 64 bits", "POST", COMPLETIONS, comp(truncate_prompt_tokens=10**30), {}, 400,
      "truncate_prompt_tokens must be a 64-bit integer"),
+    # each valid alone; together no token may come first ("x", id 104, begins no JSON): the client's, once a 500
+    ("allowed_token_ids against response_format", "POST", COMPLETIONS,
+     comp(allowed_token_ids=[104], response_format={"type": "json_object"}), {}, 400, "leave no token"),
     ("presence_penalty out of range", "POST", CHAT, chat(presence_penalty=5), {}, 400, "presence_penalty"),
     ("empty stop string", "POST", CHAT, chat(stop=[""]), {}, 400, "stop"),
     ("too many stop strings", "POST", CHAT, chat(stop=[f"s{i}" for i in range(17)]), {}, 400, "stop"),

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.sampler import (INVALID_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler, inverse_cdf, make_generator,
+from engine.sampler import (INVALID_TOKEN, NO_ALLOWED_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler, inverse_cdf, make_generator,
                             nucleus_threshold_by_candidates)
 from engine.sampling_params import SamplingParams
 
@@ -101,13 +101,13 @@ def test_logit_bias_moves_tokens_and_bans_and_masks_exclude_them():
     assert entry[token] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[token]))  # the model's own logprob
 
 
-def test_a_row_with_nothing_allowed_is_invalid_and_its_batch_mates_are_not():
+def test_a_row_with_nothing_allowed_is_marked_so_and_its_batch_mates_are_not():
     nothing = GrammarMask([0], torch.zeros(1, VOCAB, dtype=torch.bool))
     for temperature in (0.0, 1.0):
         params = [SamplingParams(temperature=temperature, seed=1)] * 2
         tokens, _ = Sampler()(LOGITS.repeat(2, 1), params, [make_generator(p) for p in params],
                               [[], []], grammar=nothing)
-        assert tokens[0] == INVALID_TOKEN and 0 <= tokens[1] < VOCAB
+        assert tokens[0] == NO_ALLOWED_TOKEN and 0 <= tokens[1] < VOCAB  # its own masks, not the model, at fault
 
 
 class CopyCounting(torch.Tensor):
@@ -270,7 +270,7 @@ def test_a_greedy_row_ignores_its_draft_and_an_invalid_row_stays_invalid():
     banned = SamplingParams(temperature=1.0, seed=1, logit_bias={t: -100 for t in range(VOCAB)})
     tokens = sampler(LOGITS, [banned], [make_generator(banned)], [[]], draft_token_ids=[2],
                      banned_token_ids=[set(range(VOCAB))])[0]
-    assert tokens == [INVALID_TOKEN], "a row left with nothing to choose does not accept its draft"
+    assert tokens == [NO_ALLOWED_TOKEN], "a row left with nothing to choose does not accept its draft"
 
 
 def test_a_repetition_penalty_small_enough_to_overflow_the_logits_is_refused_by_name():
