@@ -258,6 +258,8 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _prompt_scored_once(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM: not ignored in silence
+            raise PydanticCustomError("stream", "stream_options needs stream: true", {"path": "stream_options"})
         if self.prompt_logprobs is not None and self.stream:
             raise refuse("prompt_logprobs", "prompt_logprobs in a stream (as vLLM: score the prompt without streaming)")
         if self.prompt_logprobs is not None and self.scores_prompt_by_echo:

@@ -85,6 +85,8 @@ CASES = [
     ("min_tokens above max_tokens", "POST", CHAT, chat(min_tokens=10, max_tokens=4), {}, 400, "min_tokens"),
     ("stop_token_ids outside vocabulary", "POST", CHAT, chat(stop_token_ids=[10**9]), {}, 400, "vocabulary"),
     ("token id outside vocabulary", "POST", COMPLETIONS, comp(prompt=[10**9]), {}, 400, "vocabulary"),
+    ("stream_options without a stream", "POST", COMPLETIONS, comp(stream_options={"include_usage": True}), {}, 400,
+     "stream_options needs stream"),
     ("bad stream_options", "POST", CHAT, chat(stream=True, stream_options="yes"), {}, 400, "stream_options"),
     ("an unknown stream option", "POST", CHAT, chat(stream=True, stream_options={"include_usage": True, "live": 1}), {},
      400, "stream_options.live"),
