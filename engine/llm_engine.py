@@ -377,6 +377,8 @@ class LLMEngine:
                 self._append_token(seq, token, logprob, now)
             except EngineInputError as exc:  # the request's own constraint failed it: a warning, not a traceback
                 log.warning("request %s failed: %s", seq.request_id, exc)
+                if seq.params.structured_output is not None:
+                    self.grammars.forget(seq.params.structured_output)
                 return self._fail(seq, str(exc), exc.param)
             except Exception as exc:
                 log.exception("post-processing of request %s failed", seq.request_id)

@@ -58,7 +58,8 @@ class StopChecker:
         seq.append_token(token)
         if progress.logprobs is not None:
             progress.logprobs.append(logprob)
-        if progress.grammar is not None and not progress.grammar.consume_token(token):
+        # an errored matcher's mask allows only EOS, and it accepts that EOS: the output would end as if complete
+        if progress.grammar is not None and (progress.grammar.is_error() or not progress.grammar.consume_token(token)):
             raise _grammar_failure(seq, progress.grammar.get_error())
         if progress.pending_grammar is not None:
             _start_grammar_after(seq, progress)

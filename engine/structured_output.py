@@ -117,6 +117,13 @@ class GrammarCompiler(_Grammars):
         """A fresh matcher at the start of `spec`'s grammar; EngineInputError if the schema cannot compile."""
         return self.prepare(spec).deep_copy()
 
+    def forget(self, spec: StructuredOutput) -> None:
+        """Drop `spec`'s template after a request failed on it: a template's copies share its lexer (llguidance), so
+        one that ran into the lexer's limits leaves every later copy failing at its first token; a fresh compile
+        starts over."""
+        with self._lock:
+            self._cache.pop(spec.key, None)
+
     def is_compiled(self, spec: StructuredOutput) -> bool:
         with self._lock:
             return spec.key in self._cache

@@ -81,6 +81,19 @@ def test_a_schema_that_cannot_compile_is_an_input_error_and_compiles_are_cached(
     assert len(compiler._cache) == before + 1
 
 
+def test_a_constraint_past_the_lexers_limits_fails_every_request_that_sends_it_by_name(llm32):
+    """The first copy of the template meets the lexer's limit at its second token; the next copy, sharing the
+    template's lexer, at its first, where its mask allows only EOS: that is a failure too, not a complete output."""
+    huge = SamplingParams(max_tokens=3, temperature=0.0, structured_output=StructuredOutput(regex="a{1000000000}"))
+    for _ in range(3):
+        out = llm32.generate(["hi"], huge, use_tqdm=False)[0]
+        assert out.finish_reason == "abort" and out.error_param == "response_format", out
+        assert "parser limits" in out.error
+        assert not llm32.engine.grammars.is_compiled(huge.structured_output), "the next request compiles it afresh"
+    fits = SamplingParams(max_tokens=3, temperature=0.0, structured_output=StructuredOutput(regex="a{300}"))
+    assert llm32.generate(["hi"], fits, use_tqdm=False)[0].finish_reason == "length"
+
+
 CHECKED_SPECS = [
     StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "integer"}}}),
     StructuredOutput(json_schema={"type": "nonsense"}),
