@@ -391,8 +391,8 @@ class ChatMessage(BaseModel):
         for j, part in enumerate(value if isinstance(value, list) else ()):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise PydanticCustomError("part", "part {j}: only text parts are supported, got {kind!r}",
-                                          {"j": j, "kind": kind})
+                raise PydanticCustomError("part", "part {j}: only text parts are supported, got {kind}",
+                                          {"j": j, "kind": repr(kind)})  # a template has no !r
         return value
 
     @model_validator(mode="after")

@@ -69,12 +69,12 @@ class InputItem(BaseModel):
         if isinstance(data, dict):
             kind = data.get("type", "message")
             if kind not in ("message", "function_call", "function_call_output"):
-                raise PydanticCustomError("item", "item type {kind!r} is not supported (messages and function "
-                                          "calls are)", {"kind": kind})
+                raise PydanticCustomError("item", "item type {kind} is not supported (messages and function "
+                                          "calls are)", {"kind": repr(kind)})  # a template has no !r
             for part in data.get("content") if isinstance(data.get("content"), list) else ():
                 if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text"):
-                    raise PydanticCustomError("part", "only text parts are supported, got {kind!r}",
-                                              {"kind": part.get("type")})
+                    raise PydanticCustomError("part", "only text parts are supported, got {kind}",
+                                              {"kind": repr(part.get("type"))})
         return data
 
     @model_validator(mode="after")

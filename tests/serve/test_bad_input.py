@@ -53,7 +53,7 @@ CASES = [
     ("n above max_n", "POST", CHAT, chat(n=9), {}, 400, "at most 8"),
     ("image content part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
-     {}, 400, "part 1: only text parts"),
+     {}, 400, "part 1: only text parts are supported, got 'image_url'"),
     ("null content without tool calls", "POST", CHAT, chat(messages=[{"role": "user", "content": None}]), {}, 400, "content"),
     ("tool message without its call id", "POST", CHAT, chat(messages=[{"role": "tool", "content": "42"}]), {}, 400,
      "tool_call_id"),
@@ -102,7 +102,10 @@ CASES = [
     ("responses: malformed json", "POST", RESPONSES, b'{"input": [', {}, 400, "JSON"),
     ("responses: missing input", "POST", RESPONSES, {"max_output_tokens": 4}, {}, 400, "input"),
     ("responses: an image part", "POST", RESPONSES, {"input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "http://x/y.png"}]}]}, {}, 400, "only text parts"),
+        {"type": "input_image", "image_url": "http://x/y.png"}]}]}, {}, 400,
+     "only text parts are supported, got 'input_image'"),
+    ("responses: an unknown item", "POST", RESPONSES, {"input": [{"type": "reasoning", "summary": []}]}, {}, 400,
+     "item type 'reasoning' is not supported"),
     ("responses: unknown model", "POST", RESPONSES, {"input": "hi", "model": "gpt-9"}, {}, 404, "gpt-9"),
     ("responses: input over context", "POST", RESPONSES, {"input": "hi " * 9000}, {}, 400, "input"),
     ("responses: max_output_tokens over the limit", "POST", RESPONSES, {"input": "hi", "max_output_tokens": 257}, {},
