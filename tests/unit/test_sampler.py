@@ -320,3 +320,35 @@ def test_allowed_token_ids_are_the_only_draws_and_keep_the_models_logprobs():
     assert {tokens[0] for tokens, _ in picks} == {2, 6}
     token, entry = picks[0][0][0], picks[0][1][0]
     assert entry[token] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[token]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 4), vocab=st.sampled_from([2, 7, 33]))
+def test_a_row_gets_a_token_its_masks_allow_or_no_allowed_token_exactly_when_they_allow_none(data, rows, vocab):
+    """Finite logits under allowed ids, bans and a grammar, in any mix: the token is one all three allow, and
+    NO_ALLOWED_TOKEN (the client's contradiction, a 400) exactly where they leave none; never INVALID_TOKEN (the
+    model's fault, a 500)."""
+    logits = torch.tensor([data.draw(st.lists(st.floats(-1e4, 1e4), min_size=vocab, max_size=vocab))
+                           for _ in range(rows)])
+    params = [data.draw(params_strategy) for _ in range(rows)]
+    ids = st.lists(st.integers(0, vocab - 1), max_size=vocab)
+    some = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=vocab)
+    allowed = [data.draw(st.one_of(st.none(), some.map(lambda t: torch.tensor(sorted(set(t)))))) for _ in range(rows)]
+    banned = [set(data.draw(ids)) for _ in range(rows)]
+    grammar_rows = sorted(set(data.draw(st.lists(st.integers(0, rows - 1), max_size=rows))))
+    grammar_allowed = torch.tensor([data.draw(st.lists(st.booleans(), min_size=vocab, max_size=vocab))
+                                    for _ in grammar_rows], dtype=torch.bool).view(len(grammar_rows), vocab)
+    grammar = GrammarMask(grammar_rows, grammar_allowed) if grammar_rows else None
+    tokens, _ = Sampler()(logits, params, [make_generator(p) for p in params], [[] for _ in range(rows)],
+                          banned_token_ids=banned, grammar=grammar, allowed_token_ids=allowed)
+    for row, token in enumerate(tokens):
+        may = torch.ones(vocab, dtype=torch.bool)
+        if allowed[row] is not None:
+            may = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, allowed[row], True)
+        may[list(banned[row])] = False
+        if row in grammar_rows:
+            may &= grammar_allowed[grammar_rows.index(row)]
+        if not may.any():
+            assert token == NO_ALLOWED_TOKEN, (row, token)
+        else:
+            assert token != INVALID_TOKEN and 0 <= token < vocab and may[token], (row, token, may)
