@@ -22,7 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE_COPY_LIMIT = 64 << 20
-WHEELS_BUDGET = 47 << 20  # 46.0 MiB on 2026-12-02 (36 wheels, Ray and bitsandbytes in LZMA); the tree (6.5 MiB then) gets the rest
+# 46.0 MiB on 2026-12-02 (36 wheels, Ray's and bitsandbytes' in LZMA); the tree (6.5 MiB then) gets the rest
+WHEELS_BUDGET = 47 << 20
 
 DROP = {  # distribution -> the paths inside its wheel that never load on the GPU machine
     "ray": re.compile(r"^ray/(jars|rllib|data|tune|train|air|llm)/|^ray/dashboard/client/build/|\.js\.map$"),

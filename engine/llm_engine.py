@@ -475,10 +475,10 @@ class LLMEngine:
 
 def no_allowed_token(seq: Sequence) -> tuple[str, str]:
     """The message and field for a request whose own restrictions left no token to generate (a 400, not a 500)."""
-    params = seq.params
+    params, spec = seq.params, seq.params.structured_output
     fields = [name for name, on in (("allowed_token_ids", params.allowed_token_ids is not None),
-                                    (params.structured_output.param if params.structured_output else "", True),
+                                    (spec.param if spec else None, spec is not None),
                                     ("bad_words", bool(params.bad_words)),
-                                    ("min_tokens", seq.num_output_tokens < params.min_tokens)) if name and on]
+                                    ("min_tokens", seq.num_output_tokens < params.min_tokens)) if on]
     fields = fields or ["allowed_token_ids"]
     return f"{' and '.join(fields)} leave no token to generate at output position {seq.num_output_tokens}", fields[0]

@@ -98,7 +98,8 @@ class Sampler:
         allowed_token_ids: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits [n, vocab] -> one token id per row (INVALID_TOKEN where the row has no valid distribution,
-        NO_ALLOWED_TOKEN where its finite logits had every token masked), and its logprobs where asked for. Never an id outside [0, vocab).
+        NO_ALLOWED_TOKEN where its finite logits had every token masked), and its logprobs where asked for. Never an
+        id outside [0, vocab).
 
         Logprobs are the model's own (before any bias, mask or penalty). Then, in order: logit_bias, the only tokens
         a row may produce (`allowed_token_ids`), the tokens it may not produce now (`banned_token_ids`: EOS and stop

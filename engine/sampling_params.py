@@ -96,11 +96,10 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
-        if self.seed is not None and not _is_int(self.seed):
-            bad(f"seed must be an integer, got {self.seed!r}", "seed")
-        # max_tokens may be any integer here: the input processor bounds it by the context and names the limit
-        if self.max_tokens is not None and not _is_int(self.max_tokens):
-            bad(f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
+        # bounded below: seed by SEED_RANGE, max_tokens by the context in the input processor (which names the limit)
+        for name in ("seed", "max_tokens"):
+            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+                bad(f"{name} must be an integer, got {getattr(self, name)!r}", name)
         for name in ("logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens"):
             if getattr(self, name) is not None and not is_int64(getattr(self, name)):
                 bad(f"{name} must be a 64-bit integer, got {getattr(self, name)!r}", name)

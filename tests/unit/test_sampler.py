@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.sampler import (INVALID_TOKEN, NO_ALLOWED_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler, inverse_cdf, make_generator,
-                            nucleus_threshold_by_candidates)
+from engine.sampler import (INVALID_TOKEN, NO_ALLOWED_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler, inverse_cdf,
+                            make_generator, nucleus_threshold_by_candidates)
 from engine.sampling_params import SamplingParams
 
 VOCAB = 8
