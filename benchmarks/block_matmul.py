@@ -1,0 +1,130 @@
+"""The engine's GGUF block matmul (engine/csrc/interleaved_matmul_cpu.cpp over 16-row interleaved blocks) of each
+source tree and ISA build, timed alternated in one process over SmolLM2-135M's layers of qkv/o/gate_up/down (30,
+cold: each its own weights), with oneDNN's dense fp32 matmul of the same weights beside it. Every build's
+outputs are checked equal, bit for bit, to the first's before anything is timed.
+
+python benchmarks/block_matmul.py --other /tmp/base --isas native --rows 1,2,4,8,16,32,64 --kinds q4,q8
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import cpu_flags  # noqa: E402  the sibling script
+from engine.cpu_kernels import CFLAGS, ISA_VARIANTS, LDFLAGS, UNIT  # noqa: E402
+from engine.layers.quantized import BLOCK, BlockWeight  # noqa: E402
+from int4_matmul import LAYERS, SHAPES  # noqa: E402
+
+ISA_FLAGS = {"native": (), **ISA_VARIANTS}
+LANES = 16  # the interleaved layout's rows a group, on AVX-512 and AVX2
+cli = typer.Typer(add_completion=False)
+
+
+def build(tree: Path, isa: str):
+    if tree == ROOT and isa == "native":
+        from engine.cpu_kernels import build_kernels
+
+        return build_kernels()  # the engine's own module, built once and cached
+    from torch.utils.cpp_extension import load_inline
+
+    sources = [(tree / "engine" / "csrc" / name).read_text() for name in UNIT]
+    tag = hashlib.blake2b(f"{tree.resolve()} {isa}".encode(), digest_size=4).hexdigest()
+    return load_inline(name=f"block_matmul_{tag}", cpp_sources=sources, functions=["q4_matmul", "q8_matmul"],
+                       extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(LDFLAGS),
+                       no_implicit_headers=True)
+
+
+def random_blocks(kind: str, out: int, inp: int) -> BlockWeight:
+    groups = inp // BLOCK
+    scales = (torch.rand(out, groups) * 0.01).half().float()  # GGUF's fp16 scales
+    if kind == "q4":
+        codes = torch.randint(0, 256, (out, groups * 16), dtype=torch.uint8)
+        return BlockWeight("q4", codes, scales, (torch.randn(out, groups) * 0.01).half().float())
+    return BlockWeight("q8", torch.randint(-128, 128, (out, groups * 32), dtype=torch.int8).view(torch.uint8), scales, None)
+
+
+def layer_calls(kind: str, layers: int):
+    """(block call, dense call, in_features) for each layer's four linears."""
+    for _ in range(layers):
+        for out, inp in SHAPES:
+            weight = random_blocks(kind, out, inp)
+            packed = weight._interleaved(LANES)
+            dense = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(), 64)
+            yield packed, dense, inp
+
+
+def block_call(module, packed):
+    if packed.kind == "q4":
+        return lambda x: module.q4_matmul(x, packed.codes, packed.scales, packed.mins)
+    return lambda x: module.q8_matmul(x, packed.codes, packed.scales)
+
+
+def check_outputs(variants: dict, builds: list[str], x_by_in: dict) -> None:
+    """Every build gives the first's numbers bit for bit, and the dense matmul's within the activations' 16-bit
+    rounding (one layer's four linears)."""
+    dense = variants["dense fp32 (oneDNN)"][:4]
+    for key in builds:
+        for (call, inp), (ref, _), (exact, _) in zip(variants[key][:4], variants[builds[0]][:4], dense):
+            y = call(x_by_in[inp])
+            assert torch.equal(y, ref(x_by_in[inp])), f"{key} differs from {builds[0]}"
+            torch.testing.assert_close(y, exact(x_by_in[inp]), rtol=1e-3, atol=1e-3, msg=f"{key} is not the matmul")
+
+
+def sweep_ms(calls, x_by_in) -> float:
+    start = time.perf_counter()
+    for call, inp in calls:
+        call(x_by_in[inp])
+    return (time.perf_counter() - start) * 1e3
+
+
+@cli.command()
+def main(isas: str = "native", other: str = "", threads: int = 2, rows: str = "1,2,4,8,16,32,64", kinds: str = "q4,q8",
+         rounds: int = 9, layers: int = LAYERS, out: str = ""):
+    trees = [("this tree", ROOT)] + ([(other, Path(other))] if other else [])
+    modules = {f"{name} {isa}": build(tree, isa) for name, tree in tqdm(trees, desc="builds") for isa in isas.split(",")}
+    torch.set_num_threads(threads)
+    results = []
+    with torch.inference_mode():
+        for kind in kinds.split(","):
+            linears = list(tqdm(layer_calls(kind, layers), total=layers * len(SHAPES), desc=f"{kind} weights"))
+            variants = {key: [(block_call(m, p), inp) for p, _, inp in linears] for key, m in modules.items()}
+            variants["dense fp32 (oneDNN)"] = [
+                (lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), inp) for _, w, inp in linears]
+            for m in tqdm(list(map(int, rows.split(","))), desc=f"{kind} rows"):
+                x_by_in = {i: torch.randn(m, i) for i in {inp for _, _, inp in linears}}
+                check_outputs(variants, list(modules), x_by_in)
+                times = {key: [] for key in variants}
+                for round_ in range(rounds + 2):
+                    for key, calls in variants.items():
+                        elapsed = sweep_ms(calls, x_by_in)
+                        if round_ >= 2:
+                            times[key].append(elapsed)
+                results += [dict(kind=kind, rows=m, variant=key, ms=statistics.median(v)) for key, v in times.items()]
+    names = list(dict.fromkeys(r["variant"] for r in results))
+    table = Table(title=f"{layers} layers of qkv/o/gate_up/down, ms a sweep, {threads} thread(s), median of {rounds} alternated rounds")
+    for column in ("kind", "rows", *names):
+        table.add_column(column, justify="right")
+    for kind in kinds.split(","):
+        for m in map(int, rows.split(",")):
+            ms = {r["variant"]: r["ms"] for r in results if r["kind"] == kind and r["rows"] == m}
+            table.add_row(kind, str(m), *(f"{ms[n]:.2f}" for n in names))
+    Console().print(table)
+    if out:
+        Path(out).write_text(json.dumps(dict(cpu_flags=cpu_flags(), threads=threads, rows=results), indent=1))
+
+
+if __name__ == "__main__":
+    cli()
