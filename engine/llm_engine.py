@@ -328,32 +328,37 @@ class LLMEngine:
                 logprobs: list) -> list[CoreOutput]:
         """Append what was sampled: accepted drafts and stops; fail rows without a valid distribution."""
         outputs, emitted = [], []
-        row = 0
+        some_row_failed = min(tokens, default=0) < 0  # INVALID_TOKEN and NO_ALLOWED_TOKEN: look for whose
+        end = 0
         for seq, rows in zip(step.seqs, step.rows):
+            start, end = end, end + rows
             if seq.is_finished:  # aborted while its step ran, or (async scheduling) ended by the step before
-                row += rows
                 continue
-            seq_drafts = drafts.get(seq.request_id, []) if drafts else []
-            targets = tokens[row : row + rows]
-            accepted = accepted_length(seq_drafts, targets) if seq_drafts else 0
-            if INVALID_TOKEN in targets[: accepted + 1]:  # failed before its blocks publish
-                outputs.append(self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)"))
-            elif NO_ALLOWED_TOKEN in targets[: accepted + 1]:
-                outputs.append(self._fail(seq, *no_allowed_token(seq)))
+            seq_drafts = drafts.get(seq.request_id) if drafts else None
+            kept = start + 1 + (accepted_length(seq_drafts, tokens[start:end]) if seq_drafts else 0)
+            if some_row_failed and (failure := self._failed_row(seq, tokens[start:kept])) is not None:
+                outputs.append(failure)  # failed before its blocks publish
             else:
-                emitted.append((seq, targets[: accepted + 1], logprobs[row : row + accepted + 1], seq_drafts))
-            row += rows
+                emitted.append((seq, start, kept, seq_drafts))
         self.counters["prompt_tokens"] += self._num_prompt_tokens_in(batch)
         self.scheduler.mark_computed(batch)
         now = time.monotonic()  # the step's tokens all arrive now
         if step.pooled_seqs:
             outputs += self._finish_pooled(step, now)
-        for seq, seq_tokens, seq_logprobs, seq_drafts in emitted:
-            outputs.append(self._append_tokens(seq, seq_tokens, seq_logprobs, now))
+        for seq, start, kept, seq_drafts in emitted:
+            outputs.append(self._append_tokens(seq, tokens[start:kept], logprobs[start:kept], now))
             if seq_drafts:
-                self.speculator.verified(seq, seq_drafts, len(seq_tokens) - 1)
+                self.speculator.verified(seq, seq_drafts, kept - start - 1)
                 self.scheduler.release_rejected(seq)
         return outputs
+
+    def _failed_row(self, seq: Sequence, tokens: list[int]) -> CoreOutput | None:
+        """The failure of a row the sampler could not draw from, or None."""
+        if INVALID_TOKEN in tokens:
+            return self._fail(seq, "the model's output for this request was not a valid distribution (NaN or inf)")
+        if NO_ALLOWED_TOKEN in tokens:
+            return self._fail(seq, *no_allowed_token(seq))
+        return None
 
     def _finish_pooled(self, step: StepLogits, now: float) -> list[CoreOutput]:
         """Embedding requests whose prompt the step computed end here, with their embedding."""
@@ -399,8 +404,8 @@ class LLMEngine:
 
     @staticmethod
     def _num_prompt_tokens_in(batch: ScheduledBatch) -> int:
-        return sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
-                   for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        return sum(min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens
+                   for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens < seq.num_prompt_tokens)
 
     def _fail(self, seq: Sequence, message: str, param: str | None = None) -> CoreOutput:
         seq.runtime.error, seq.runtime.error_param = message, param

@@ -66,15 +66,13 @@ class StopChecker:
         return self._stop_reason(seq, token)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params, progress = seq.params, seq.runtime
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return "stop"
-            if token in params.stop_token_ids:
-                return "stop"
+        params, progress, produced = seq.params, seq.runtime, seq.num_output_tokens
+        if produced >= params.min_tokens and (
+                (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
+            return "stop"
         if progress.grammar is not None and progress.grammar.is_stopped():
             return "stop"  # the structure is complete: only EOS could follow
-        if seq.num_output_tokens >= progress.max_tokens or len(seq) >= self.max_model_len:
+        if produced >= progress.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 
