@@ -174,21 +174,23 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
     """Step time and tok/s of decode steps with `batch` sequences running, prefill excluded; greedy unless
     `sampling` says otherwise."""
     from engine import SamplingParams
+    from engine.step_stats import heap_frozen_during
 
     params = SamplingParams(max_tokens=sizes.decode_steps + 64, ignore_eos=True,  # none ends early
                             **(sampling or dict(temperature=0.0)))
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch), params)
-    for _ in range(WARM_STEPS):
-        llm.step()
-    counters = llm.engine.counters
-    before, ahead = counters["generation_tokens"], counters["num_steps_ahead"]
-    sync(device)
-    started = time.perf_counter()
-    for _ in range(sizes.decode_steps):
-        llm.step()
-    sync(device)
-    seconds = time.perf_counter() - started
+    with heap_frozen_during():  # as generate() steps: a full collection of the old heap is not the engine's step
+        for _ in range(WARM_STEPS):
+            llm.step()
+        counters = llm.engine.counters
+        before, ahead = counters["generation_tokens"], counters["num_steps_ahead"]
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(sizes.decode_steps):
+            llm.step()
+        sync(device)
+        seconds = time.perf_counter() - started
     tokens = counters["generation_tokens"] - before
     _finish(llm, ids)
     return {"batch": batch, "step_ms": round(1e3 * seconds / sizes.decode_steps, 3), "tok_s": round(tokens / seconds, 1),

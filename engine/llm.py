@@ -22,6 +22,7 @@ from engine.output_processor import OutputProcessor, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.scoring import check_pairs, cosine_scores
+from engine.step_stats import heap_frozen_during
 
 
 class LLM:
@@ -112,7 +113,8 @@ class LLM:
                     self.outputs.forget(earlier)
                 raise
         finals: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="embed" if pooling else "generate", unit="req", disable=not use_tqdm) as bar:
+        with (tqdm(total=len(prompts), desc="embed" if pooling else "generate", unit="req", disable=not use_tqdm) as bar,
+              heap_frozen_during()):
             while self.has_unfinished_requests():
                 for out in self.step():
                     if out.finished:

@@ -91,6 +91,23 @@ def freeze_gc_heap() -> None:
     gc.freeze()
 
 
+@contextlib.contextmanager
+def heap_frozen_during():
+    """Keep every object that exists now out of the collector's reach while the block runs, then hand them back (an
+    O(1) move each way). A full collection walks every tracked object: in an offline process with torch and
+    transformers loaded that is ~400,000, a 190 ms stall, and at batch 256 one came every ~430 decode steps, 7% of a
+    generate's time (BENCHMARKS.md, 2026-12-02). Cyclic garbage among the older objects waits for the block's end.
+    A process that froze its heap for good (freeze_gc_heap: the serving ones) is left so."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class ResidentMemory:
     """`resident_bytes`, read again once `every_s` has passed: a read of /proc costs ~15-25 us, and the stats are
     built once or twice a step (the metrics' flush, the core's reply), which on a GPU's ~3 ms step is host time the

@@ -2,8 +2,10 @@
 import gc
 import mmap
 import time
+import weakref
 
-from engine.step_stats import GcPauses, PhaseTimer, ResidentMemory, resident_bytes
+from engine import SamplingParams
+from engine.step_stats import GcPauses, PhaseTimer, ResidentMemory, heap_frozen_during, resident_bytes
 
 
 def test_phase_timer_adds_up_each_phase_even_when_it_raises():
@@ -49,3 +51,52 @@ def test_the_resident_gauge_reads_proc_again_only_once_its_interval_has_passed()
         block[offset] = 1
     assert every_step() - before[0] > 32 << 20 and once_a_minute() == before[1]
     block.close()
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def _dropped_cycle() -> weakref.ref:
+    """A weak reference to an object only a reference cycle keeps (only the cyclic collector frees it)."""
+    return weakref.ref(_Cycle())
+
+
+def test_the_heap_older_than_a_block_is_out_of_the_collectors_reach_during_it_and_back_after():
+    assert gc.get_freeze_count() == 0, "an earlier test left the heap frozen"
+    older = _dropped_cycle()
+    with heap_frozen_during():
+        assert gc.get_freeze_count() > 0
+        younger = _dropped_cycle()
+        gc.collect()
+        assert younger() is None  # what the block makes is collected as usual
+        assert older() is not None  # what was there before is not walked
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert older() is None
+
+
+def test_a_heap_frozen_for_good_stays_frozen_after_the_block():
+    gc.freeze()
+    try:
+        with heap_frozen_during():
+            pass
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_generate_steps_with_the_older_heap_frozen_and_hands_it_back(llm32, monkeypatch):
+    older, frozen_at_steps, step = _dropped_cycle(), [], llm32.step
+
+    def watched_step():
+        frozen_at_steps.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(llm32, "step", watched_step)
+    llm32.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert frozen_at_steps and all(count > 0 for count in frozen_at_steps)
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert older() is None  # the cycle older than the call is collected once it is over

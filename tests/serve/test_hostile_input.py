@@ -1,7 +1,6 @@
 """Hostile and odd input through real HTTP under Ray Serve: nothing a client sends gets a 5xx or hurts another
 request, and the limits hold."""
 import asyncio
-import gc
 import json
 import logging
 import sys
@@ -11,6 +10,7 @@ import uuid
 import httpx
 import pytest
 
+from engine.step_stats import heap_frozen_during
 from serve_app.protocol import ReplicaStats
 
 pytestmark = pytest.mark.slow
@@ -242,11 +242,8 @@ async def stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[flo
     Chunks are not counted: a replica sends what is ready as one chunk, so a loop a step behind sends fewer, fuller
     ones, and the longest gap is what the client waits. The client's own heap is frozen meanwhile: pytest's full
     collections (0.2-0.3 s, seen while the attack's answers arrive) would read as the server's gaps."""
-    gc.freeze()
-    try:
+    with heap_frozen_during():
         return await _stream_gaps_while(base_url, auth, attack)
-    finally:
-        gc.unfreeze()
 
 
 async def _stream_gaps_while(base_url: str, auth: dict, attack) -> tuple[list[float], list]:
