@@ -174,7 +174,7 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
     """Step time and tok/s of decode steps with `batch` sequences running, prefill excluded; greedy unless
     `sampling` says otherwise."""
     from engine import SamplingParams
-    from engine.step_stats import heap_frozen_during
+    from engine.step_stats import GcPauses, heap_frozen_during
 
     params = SamplingParams(max_tokens=sizes.decode_steps + 64, ignore_eos=True,  # none ends early
                             **(sampling or dict(temperature=0.0)))
@@ -186,7 +186,7 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
         counters = llm.engine.counters
         before, ahead = counters["generation_tokens"], counters["num_steps_ahead"]
         sync(device)
-        started = time.perf_counter()
+        pauses, started = GcPauses(), time.perf_counter()
         for _ in range(sizes.decode_steps):
             llm.step()
         sync(device)
@@ -194,7 +194,8 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
     tokens = counters["generation_tokens"] - before
     _finish(llm, ids)
     return {"batch": batch, "step_ms": round(1e3 * seconds / sizes.decode_steps, 3), "tok_s": round(tokens / seconds, 1),
-            "tokens": tokens, "steps_ahead": counters["num_steps_ahead"] - ahead}
+            "tokens": tokens, "steps_ahead": counters["num_steps_ahead"] - ahead,
+            "gc_ms": round(1e3 * sum(pauses.seconds.values()), 3)}  # the collector's pauses inside the window
 
 
 @contextlib.contextmanager

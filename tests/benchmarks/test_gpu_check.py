@@ -29,6 +29,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         assert all(row["tokens"] == row["batch"] * 4 and row["tok_s"] > 0 for row in report["decode"][mode])
         assert all(row["steps_ahead"] == (4 if mode.endswith("async") else 0) for row in report["decode"][mode]), \
             "every timed step flies with async scheduling, top-p sampled ones too"
+        assert all(0 <= row["gc_ms"] < 1e3 * row["tokens"] / row["tok_s"] for row in report["decode"][mode])  # in the window
     assert report["engine_static"]["tokens"] == report["engine_static_async"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
     static, static_async = report["engine_static"], report["engine_static_async"]
     assert static["num_steps"] >= 8 and static["num_steps_ahead"] == 0 < static_async["num_steps_ahead"]
