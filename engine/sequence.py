@@ -17,8 +17,8 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-# Python 3.11 reads an Enum member off its class at ~110 ns more than a global: `is_finished`, a few times a row a
-# step, took a fifth of a batch-256 step's output phase
+# Python 3.11 reads an Enum member off its class at ~110 ns more than a global: `is_finished`, three times a row a
+# step, cost ~0.1 ms of a batch-256 step's output phase (~0.9 ms)
 _FINISHED = SequenceStatus.FINISHED
 
 
