@@ -6,7 +6,6 @@ python benchmarks/greedy_pick.py --isas native,avx2 --other /tmp/base --threads 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import sys
@@ -23,21 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import cpu_flags  # noqa: E402  the sibling script
-from engine.cpu_kernels import CFLAGS, ISA_VARIANTS, LDFLAGS, UNIT  # noqa: E402
+from tree_kernels import build_tree_kernels  # noqa: E402  the sibling script
 
-ISA_FLAGS = {"native": (), **ISA_VARIANTS}
 CASES = [(1, torch.float32), (64, torch.bfloat16), (64, torch.float32)]  # rows of SmolLM2's 49,152 logits
 cli = typer.Typer(add_completion=False)
 
 
 def build(tree: Path, isa: str):
-    from torch.utils.cpp_extension import load_inline
-
-    sources = [(tree / "engine" / "csrc" / name).read_text() for name in UNIT]
-    tag = hashlib.blake2b(f"{tree.resolve()} {isa}".encode(), digest_size=4).hexdigest()
-    return load_inline(name=f"greedy_pick_{tag}", cpp_sources=sources, functions=["greedy_or_invalid_cpu"],
-                       extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(LDFLAGS),
-                       no_implicit_headers=True).greedy_or_invalid_cpu
+    return build_tree_kernels(tree, isa, ["greedy_or_invalid_cpu"]).greedy_or_invalid_cpu
 
 
 def time_us(kernel, logits: list[torch.Tensor]) -> float:

@@ -1,0 +1,24 @@
+"""The C++ kernels of any source tree (e.g. a `git worktree` at an older commit) and ISA build, each its own module,
+so benchmarks time two trees or ISAs alternated in one process (a VM's speed drifts between processes more than the
+kernels differ). This tree's native build is the engine's own cached module."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from engine.cpu_kernels import CFLAGS, ISA_VARIANTS, LDFLAGS, UNIT, build_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+ISA_FLAGS = {"native": (), **ISA_VARIANTS}
+
+
+def build_tree_kernels(tree: Path, isa: str, functions: list[str]):
+    """The module of `tree`'s kernels built for `isa` (a key of ISA_FLAGS), binding `functions`."""
+    if tree.resolve() == ROOT and isa == "native":
+        return build_kernels()
+    from torch.utils.cpp_extension import load_inline
+
+    sources = [(tree / "engine" / "csrc" / name).read_text() for name in UNIT]
+    tag = hashlib.blake2b(f"{tree.resolve()} {isa} {functions}".encode(), digest_size=4).hexdigest()
+    return load_inline(name=f"tree_kernels_{tag}", cpp_sources=sources, functions=functions,
+                       extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(LDFLAGS), no_implicit_headers=True)
