@@ -46,7 +46,7 @@ FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul", "write_kv", "page
              "greedy_or_invalid_cpu"]
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 LDFLAGS = ("-fopenmp", "-lmvec")
-# extra_cflags that switch wider ISAs off, for the paths other CPUs take (tests, benchmarks/greedy_pick.py)
+# extra_cflags that switch wider ISAs off, for the paths other CPUs take (tests, benchmarks/tree_kernels.py)
 ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
 
