@@ -9,7 +9,6 @@ python benchmarks/block_matmul.py --other /tmp/base --isas native --rows 1,2,4,8
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench import cpu_flags  # noqa: E402  the sibling script
 from engine.layers.quantized import BLOCK, BlockWeight  # noqa: E402
 from int4_matmul import LAYERS, SHAPES  # noqa: E402
-from tree_kernels import build_tree_kernels  # noqa: E402
+from tree_kernels import alternated_medians, build_tree_kernels  # noqa: E402
 
 cli = typer.Typer(add_completion=False)
 
@@ -94,13 +93,9 @@ def main(isas: str = "native", other: str = "", threads: int = 2, rows: str = "1
             for m in tqdm(list(map(int, rows.split(","))), desc=f"{kind} rows"):
                 x_by_in = {i: torch.randn(m, i) for i in {inp for _, _, inp in linears}}
                 check_outputs(variants, list(modules), x_by_in)
-                times = {key: [] for key in variants}
-                for round_ in range(rounds + 2):
-                    for key, calls in variants.items():
-                        elapsed = sweep_ms(calls, x_by_in)
-                        if round_ >= 2:
-                            times[key].append(elapsed)
-                results += [dict(kind=kind, rows=m, variant=key, ms=statistics.median(v)) for key, v in times.items()]
+                timers = {key: lambda calls=calls: sweep_ms(calls, x_by_in) for key, calls in variants.items()}
+                medians = alternated_medians(timers, rounds, warm=2)
+                results += [dict(kind=kind, rows=m, variant=key, ms=ms) for key, ms in medians.items()]
     names = list(dict.fromkeys(r["variant"] for r in results))
     table = Table(title=f"{layers} layers of qkv/o/gate_up/down, ms a sweep, {threads} thread(s), median of {rounds} alternated rounds")
     for column in ("kind", "rows", *names):

@@ -7,7 +7,6 @@ python benchmarks/greedy_pick.py --isas native,avx2 --other /tmp/base --threads 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import cpu_flags  # noqa: E402  the sibling script
-from tree_kernels import build_tree_kernels  # noqa: E402  the sibling script
+from tree_kernels import alternated_medians, build_tree_kernels  # noqa: E402  the sibling script
 
 CASES = [(1, torch.float32), (64, torch.bfloat16), (64, torch.float32)]  # rows of SmolLM2's 49,152 logits
 cli = typer.Typer(add_completion=False)
@@ -47,14 +46,9 @@ def main(isas: str = "native,avx2", other: str = "", threads: int = 1, rounds: i
     rows = []
     for count, dtype in tqdm(CASES, desc="cases"):
         logits = [torch.randn(count, 49152).to(dtype) for _ in range(4)]  # 4 buffers: none stays in L2
-        times = {key: [] for key in kernels}
-        for round_ in range(rounds + 3):
-            for key, kernel in kernels.items():
-                elapsed = time_us(kernel, logits)
-                if round_ >= 3:
-                    times[key].append(elapsed)
-        rows += [dict(tree=k[0], isa=k[1], rows=count, dtype=str(dtype), us=statistics.median(v))
-                 for k, v in times.items()]
+        timers = {key: lambda kernel=kernel: time_us(kernel, logits) for key, kernel in kernels.items()}
+        medians = alternated_medians(timers, rounds, warm=3)
+        rows += [dict(tree=k[0], isa=k[1], rows=count, dtype=str(dtype), us=us) for k, us in medians.items()]
     table = Table(title=f"greedy pick, {threads} thread(s), median of {rounds} alternated rounds")
     for column in ("tree", "isa", "rows", "dtype", "us a call"):
         table.add_column(column)
