@@ -3,7 +3,9 @@
 // kernel's software prefetch. Each row's words are summed, so nothing is optimized away and both orders
 // return the same checksum. What the kernel could reach on this pool layout (benchmarks/decode_attention.py).
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include "python_bindings.h"  // the engine's: pybind11's tensor casters, without all of torch/extension.h
 #include <cstdint>
 #include <cstring>
 #include <vector>
