@@ -55,12 +55,10 @@ def flies(seq: Sequence) -> bool:
     """Whether a running sequence's next step may be launched before its last token is read: a decode whose draw
     depends on nothing but that token, and needs no host work before or after it (no logprobs, bias, penalties,
     grammar, allowed tokens, bad words, bans before min_tokens)."""
-    params = seq.params
-    return (seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
-            and not params.has_penalties and params.logprobs is None
-            and not params.logit_bias and not params.restricts_vocabulary and params.prompt_logprobs is None
-            and seq.runtime.grammar is None and seq.runtime.pending_grammar is None
-            and seq.num_output_tokens >= params.min_tokens)
+    progress = seq.runtime
+    return (progress.draws_from_logits_alone and seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
+            and progress.grammar is None and progress.pending_grammar is None
+            and seq.num_output_tokens >= seq.params.min_tokens)
 
 
 def next_input_ids(landing: InFlight, seqs: list[Sequence]) -> torch.Tensor:

@@ -276,13 +276,15 @@ class LLMEngine:
         bm, scheduler = self.block_manager, self.scheduler
         if (not seqs or (scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs)
                 or len(scheduler.running) != len(seqs)
-                or not all(async_scheduling.flies(seq) and len(seq) < self.max_model_len for seq in seqs)
-                or sum(bm.blocks_needed(len(seq) + 1) - len(seq.block_table) for seq in seqs) > bm.num_free_blocks):
+                or not all(async_scheduling.flies(seq) and len(seq) < self.max_model_len for seq in seqs)):
             return None
-        batch = ScheduledBatch()
-        for seq in seqs:
-            bm.grow(seq, len(seq) + 1)
-            batch.add(seq, 1)
+        missing = [bm.blocks_needed(len(seq) + 1) - len(seq.block_table) for seq in seqs]
+        if sum(missing) > bm.num_free_blocks:
+            return None
+        for seq, count in zip(seqs, missing):
+            if count:  # about one in block_size a step; a grow call for each cost 0.13 ms at batch 256
+                bm.grow(seq, len(seq) + 1)
+        batch = ScheduledBatch.one_token_each(seqs)
         try:
             step = self.runner.execute_ahead(seqs, async_scheduling.next_input_ids(landing, seqs))
             with self.phases("sample"):

@@ -140,6 +140,14 @@ class SamplingParams:
         self._validate_vocabulary_limits(bad)
 
     @property
+    def draws_from_logits_alone(self) -> bool:
+        """Whether a token's draw needs nothing on the host but the row's logits (async scheduling may launch the
+        step after it first): no penalties (the history), logprobs, logit bias, restricted vocabulary, prompt
+        logprobs."""
+        return not (self.has_penalties or self.logprobs is not None or self.logit_bias or self.restricts_vocabulary
+                    or self.prompt_logprobs is not None)
+
+    @property
     def restricts_vocabulary(self) -> bool:
         """Whether the sampler must mask tokens beyond logit_bias: allowed_token_ids or bad_words."""
         return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)

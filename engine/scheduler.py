@@ -46,6 +46,11 @@ class ScheduledBatch:
         self.num_new_tokens.append(num_new_tokens)
         self.draft_token_ids.append(drafts or [])
 
+    @classmethod
+    def one_token_each(cls, seqs: list[Sequence]) -> "ScheduledBatch":
+        """A decode step of `seqs`, without drafts."""
+        return cls(seqs=list(seqs), num_new_tokens=[1] * len(seqs), draft_token_ids=[[] for _ in seqs])
+
     def subset(self, indices: list[int]) -> "ScheduledBatch":
         part = ScheduledBatch(block_copies=self.block_copies)  # copying again is harmless
         for i in indices:

@@ -103,7 +103,11 @@ def test_arrivals_aborts_and_requests_that_do_not_fly_are_served_as_before(check
     assert result.pop("r2")[1] == reference.pop("r2")[1] == "abort"
     assert result == reference and "late" in result
     assert llm.engine.counters["num_steps_ahead"] > ahead
+    runner, launched = llm.engine.runner, set()
+    execute_ahead = runner.execute_ahead
+    runner.execute_ahead = lambda seqs, ids: launched.update(s.request_id for s in seqs) or execute_ahead(seqs, ids)
     assert run(llm, True, work) == run(llm, False, work)
+    assert "r0" in launched and not launched & {"r5", "r6"}, f"a request that cannot fly flew: {launched}"
 
 
 def test_a_full_batch_keeps_flying_while_requests_queue_and_admits_them_as_seats_free(checkpoint):
