@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -20,8 +19,8 @@ from serve_app.aio import all_or_none
 from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
-from engine import EngineInputError, PoolingParams, SamplingParams, StructuredOutput, tool_calls
-from engine.chat import DEFAULT_OPTIONS, ChatOptions
+from serve_app.generation_job import chat_options, generation_job, offers_tools
+from engine import EngineInputError, PoolingParams
 from engine.config import ADAPTER_NAME
 from engine.scoring import cosine_scores
 from engine.step_stats import freeze_gc_heap
@@ -114,7 +113,7 @@ class Ingress:
         self._lora_name(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            options = _chat_options(body, self.args)
+            options = chat_options(body, self.args)
         except EngineInputError as exc:
             raise OpenAIError(400, str(exc), exc.param)
         tokens = await self._call(self.replica.tokenize(body.template_input(), tools, body.return_token_strs, options),
@@ -207,14 +206,14 @@ class Ingress:
         prompts = body.prompts if isinstance(body, CompletionRequest) else [prompt]
         # a batch of prompts: one job each, its choices numbered after the prompts before it (k * n + i)
         fmt, _ = self._reasoning(body, isinstance(body, ChatCompletionRequest))
-        return [_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args, lora_name, fmt)
+        return [generation_job(request_id if len(prompts) == 1 else f"{request_id}-{k}", body, p, self.args, lora_name, fmt)
                 for k, p in enumerate(prompts)]
 
     async def stream_chunks(self, body: SamplingFields, prompt, chat: bool, request_id: str):
         """Admit every job (refusals raise here, before any header is sent), then the stream's chunks: dicts, and
         None where a keep-alive is due."""
         jobs = self._jobs(body, prompt, request_id)
-        parse_tools = _offers_tools(body)
+        parse_tools = offers_tools(body)
         started, n = await self._admit_all(jobs), body.n
         ids = body.return_token_ids
         fmt, show = self._reasoning(body, chat)
@@ -238,7 +237,7 @@ class Ingress:
         """Every prompt's choices, generated together; a replica lost for good mid-generation surfaces from _call:
         a 503 in the envelope, like any handle failure."""
         jobs = self._jobs(body, prompt, request_id)
-        parse_tools = _offers_tools(body)
+        parse_tools = offers_tools(body)
         created, n = int(time.time()), body.n
         fmt, show = self._reasoning(body, chat)
         groups = [[Choice(k * n + i, chat, parse_tools, reasoning=fmt, show_reasoning=show,
@@ -487,64 +486,6 @@ def _adapters_under(root: str | None, listed: list[str], limit: int = 1000) -> l
     except OSError:
         return []
     return [name for name in names if name not in listed][:limit]
-
-
-def _job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name: str | None,
-         reasoning: ReasoningFormat | None = None) -> GenerationJob:
-    """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
-    name the field."""
-    tools = _offered_tools(body)
-    try:
-        chat = _chat_options(body, args) if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
-        return GenerationJob(request_id, prompt, _sampling_params(body, tools, args.tool_call_parser), body.n,
-                             body.cache_salt, tools,
-                             echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
-                             stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
-                             return_token_ids=body.return_token_ids,
-                             return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority,
-                             lora_name=lora_name, reasoning=reasoning)
-    except EngineInputError as exc:
-        raise OpenAIError(400, str(exc), exc.param)
-
-
-def _chat_options(body: ChatCompletionRequest | TokenizeRequest, args: AppArgs) -> ChatOptions:
-    """How the request's messages become the prompt: its own options, tools described in the app's call format."""
-    return dataclasses.replace(body.chat_options(), tool_format=args.tool_call_parser)
-
-
-def _sampling_params(body: SamplingFields, tools: list[dict] | None, tool_format: str) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=body.requested_max_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k if body.top_k is not None else -1, min_p=body.min_p, seed=body.seed, stop=body.stop,
-        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        min_tokens=body.min_tokens, logprobs=body.num_logprobs, skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output, truncate_prompt_tokens=body.truncate_prompt_tokens,
-        allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-        prompt_logprobs=body.num_logprobs if body.scores_prompt_by_echo else body.prompt_logprobs,
-        logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
-        structured_output=_structured_output(body, tools, tool_format))
-
-
-def _structured_output(body: SamplingFields, tools: list[dict] | None, tool_format: str) -> StructuredOutput | None:
-    """The constraint the request sets (response_format, structured_outputs or a guided_ field), or, when a tool
-    call is forced (required or named), the grammar of one."""
-    if isinstance(body, ChatCompletionRequest) and body.effective_tool_choice in ("required", "named"):
-        return StructuredOutput(grammar=tool_calls.grammar(tools, body.forced_function, body.parallel_tool_calls,
-                                                           tool_format),
-                                param="tools")
-    return body.structured_output()
-
-
-def _offers_tools(body: SamplingFields) -> bool:
-    """A chat that offers tools: its reply is parsed for calls."""
-    return isinstance(body, ChatCompletionRequest) and body.effective_tool_choice != "none"
-
-
-def _offered_tools(body: SamplingFields) -> list[dict] | None:
-    if _offers_tools(body):
-        return [t.model_dump(exclude_none=True) for t in body.tools]
-    return None
 
 
 def build_api(ingress: Ingress) -> FastAPI:
