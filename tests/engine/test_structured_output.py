@@ -70,6 +70,16 @@ def test_a_regex_a_choice_and_a_gbnf_grammar_bound_the_whole_output(llm32, spec,
     assert out.finish_reason == "stop" and fits(out.text), out.text
 
 
+def test_a_complete_structure_ends_the_output_before_min_tokens(llm32):
+    """min_tokens holds off EOS, yet a structure that is complete allows nothing but EOS: the reply ends there, whole
+    and with "stop", rather than failing for want of a token or running past its constraint (README's table)."""
+    params = SamplingParams(max_tokens=30, min_tokens=20, temperature=0.0,
+                            structured_output=StructuredOutput(choice=("positive", "negative")))
+    (out,) = llm32.chat([[{"role": "user", "content": "Review a film in one word."}]], params, use_tqdm=False)
+    assert out.finish_reason == "stop" and out.error is None and out.text in ("positive", "negative"), out
+    assert len(out.token_ids) < params.min_tokens
+
+
 def test_a_schema_that_cannot_compile_is_an_input_error_and_compiles_are_cached(llm32):
     with pytest.raises(EngineInputError, match="response_format"):
         llm32.add_request("bad-schema", "hi", SamplingParams(
