@@ -9,13 +9,15 @@ import logging
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput
 from engine.core_protocol import EngineCore
 from engine.engine_stats import EngineStats
-from engine.errors import EngineDeadError
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.errors import EngineDeadError, EngineOverloadedError
 from engine.input_processor import InputProcessor, Prompt
 from engine.metrics import StepMetrics
 from engine.models import load_tokenizer
@@ -24,6 +26,7 @@ from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+QUEUE_RETRY_S = 0.02  # a beam search's next step, when the queue was full
 
 
 class RequestStream:
@@ -73,6 +76,14 @@ class RequestStream:
             raise item
         self.finished = item.finished
         return item
+
+    async def final(self) -> RequestOutput:
+        """The request's last output (a final_only request's one). An error it ended with is raised:
+        EngineInputError where the request's own field was at fault, else RuntimeError."""
+        async for output in self:
+            if output.checked().finished:
+                return output
+        raise RuntimeError(f"the engine ended request {self.request_id} without a final output")
 
     async def aclose(self) -> None:
         if not self.finished:
@@ -161,6 +172,42 @@ class AsyncLLMEngine:
                 yield output
         finally:
             await stream.aclose()
+
+    async def beam_search(self, request_id: str, prompt: Prompt, params: BeamSearchParams,
+                          decode: Callable[[list[int]], str], cache_salt: str | None = None, priority: int = 0,
+                          lora_name: str | None = None) -> BeamSearchOutput:
+        """vLLM's beam search (engine/beam_search.py): each step, every live beam is a one-token request. `decode`
+        turns the best beams' tokens into text on the caller's tokenizer (a fast tokenizer is not shared across
+        threads). Raises as add_request does, before the first step; a step's failure ends the search, raised."""
+        search = self.inputs.beam_search(prompt, params, cache_salt, priority, lora_name)
+        step_params, cached = search.params.step_params(), None
+        while not search.done:
+            streams: list[RequestStream] = []
+            waits: list[asyncio.Future] = []
+            try:
+                for i, tokens in enumerate(search.beam_prompts()):
+                    streams.append(await self._add_when_room(f"{request_id}-beam-{search.steps}-{i}", tokens,
+                                                             step_params, cache_salt, final_only=True,
+                                                             priority=priority, lora_name=lora_name))
+                    waits.append(asyncio.ensure_future(streams[-1].final()))
+                finals = await asyncio.gather(*waits)
+            finally:  # one that failed, or a caller that left: the others stop too
+                for wait in waits:
+                    wait.cancel()
+                for stream in streams:
+                    await stream.aclose()
+            cached = finals[0].num_cached_tokens if cached is None else cached
+            search.advance([final.logprobs[0] for final in finals])
+        return search.result(decode, cached or 0)
+
+    async def _add_when_room(self, *args, **kwargs) -> RequestStream:
+        """add_request for a step of work already accepted (a beam search's): a full queue is waited out, not a
+        failure of the whole search."""
+        while True:
+            try:
+                return self.add_request(*args, **kwargs)
+            except EngineOverloadedError:
+                await asyncio.sleep(QUEUE_RETRY_S)
 
     async def abort(self, request_id: str) -> None:
         self.abort_now(request_id)

@@ -8,6 +8,7 @@ import time
 from typing import Union
 
 from engine import chat
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
 from engine.errors import EngineInputError
@@ -49,12 +50,24 @@ class InputProcessor:
         self._check_token_ids(params)
         params = self._with_bad_words_tokenized(params)
         token_ids = self.truncated(self.tokenize(prompt, tools, options), params)
-        max_tokens = self._validated_max_tokens(len(token_ids), params)
+        max_tokens = self.validated_max_tokens(len(token_ids), params)
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)  # refuses a schema that cannot compile, here
         return EngineRequest(request_id, token_ids, params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader,
                              priority, lora_name)
+
+    def beam_search(self, prompt: Prompt, params: BeamSearchParams, cache_salt: str | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> BeamSearch:
+        """A beam search over the prompt, checked as its steps' requests will be, its max_tokens resolved by the
+        one policy (it must fit the context beside the prompt)."""
+        self._check_cache_salt(cache_salt)
+        self.check_lora_name(lora_name)
+        self._check_priority(priority)
+        token_ids = self.tokenize(prompt)
+        max_tokens = self.validated_max_tokens(len(token_ids), SamplingParams(max_tokens=params.max_tokens))
+        return BeamSearch(token_ids, dataclasses.replace(params, max_tokens=max_tokens),
+                          frozenset(self.limits.eos_token_ids))
 
     def _embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams, arrival_time: float | None,
                            cache_salt: str | None, priority: int, options: chat.ChatOptions,
@@ -193,7 +206,7 @@ class InputProcessor:
             raise EngineInputError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
         _check_unicode(salt, "cache_salt")
 
-    def _validated_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+    def validated_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The one max_tokens policy: a default of the rest of the context (or default_max_tokens), and a limit
         that caps the default and refuses a larger explicit value."""
         context, limit = self.limits.max_model_len, self.config.max_tokens_limit

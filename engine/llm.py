@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import queue
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.config import EngineConfig
 from engine.core_inline import InlineCore
@@ -71,6 +73,29 @@ class LLM:
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
         return self._run(list(conversations), params, use_tqdm, priority, tools, options, lora_name)
 
+    def beam_search(self, prompts: list[Prompt] | Prompt, params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Each prompt's beams, best first, as vLLM's LLM.beam_search (engine/beam_search.py): every step, each
+        prompt's live beams run as one-token requests, all prompts in one batch."""
+        searches = [self.inputs.beam_search(prompt, params) for prompt in _as_batch(prompts)]
+        cached: list[int | None] = [None] * len(searches)
+        with tqdm(total=len(searches), desc="beam search", unit="req", disable=not use_tqdm) as bar, \
+                heap_frozen_during():
+            while live := [i for i, search in enumerate(searches) if not search.done]:
+                asked = {i: [f"beam-{uuid.uuid4().hex}" for _ in searches[i].live] for i in live}
+                for i in live:
+                    for request_id, tokens in zip(asked[i], searches[i].beam_prompts()):
+                        self.add_request(request_id, tokens, searches[i].params.step_params(), final_only=True)
+                finals = self._finals()
+                for i in live:
+                    answers = [finals[request_id].checked() for request_id in asked[i]]
+                    cached[i] = answers[0].num_cached_tokens if cached[i] is None else cached[i]
+                    searches[i].advance([answer.logprobs[0] for answer in answers])
+                    bar.update(searches[i].done)
+        tokenizer = self.inputs.tokenizer
+        return [search.result(lambda ids: tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens),
+                              hit or 0) for search, hit in zip(searches, cached)]
+
     def embed(self, prompts: list[Prompt] | Prompt, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
               lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Each prompt's embedding (`.embedding`), in order, as vLLM's LLM.embed: the final hidden state of its last
@@ -112,15 +137,20 @@ class LLM:
                     self.abort(earlier)
                     self.outputs.forget(earlier)
                 raise
-        finals: dict[str, RequestOutput] = {}
         with (tqdm(total=len(prompts), desc="embed" if pooling else "generate", unit="req", disable=not use_tqdm) as bar,
               heap_frozen_during()):
-            while self.has_unfinished_requests():
-                for out in self.step():
-                    if out.finished:
-                        finals[out.request_id] = out
-                        bar.update(1)
+            finals = self._finals(lambda: bar.update(1))
         return [finals[request_id] for request_id in ids]
+
+    def _finals(self, each: Callable[[], None] = lambda: None) -> dict[str, RequestOutput]:
+        """Step until no request is left: each one's final output by its id."""
+        finals: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    each()
+        return finals
 
     # -- one request at a time, one step at a time ----------------------------------------------------
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.core_messages import CoreOutput, EngineRequest
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import EngineInputError
 from engine.admission import check_admission
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestMetrics
@@ -66,6 +67,13 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def checked(self) -> "RequestOutput":
+        """This output, or the error the request ended with raised: EngineInputError where the request's own field
+        was at fault, else RuntimeError."""
+        if self.error:
+            raise EngineInputError(self.error, self.error_param) if self.error_param else RuntimeError(self.error)
+        return self
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
+from engine.beam_search import BeamSearchParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError
@@ -26,9 +27,17 @@ def generation_job(request_id: str, body: SamplingFields, prompt, args: AppArgs,
                              stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
                              return_token_ids=body.return_token_ids,
                              return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority,
-                             lora_name=lora_name, reasoning=reasoning)
+                             lora_name=lora_name, reasoning=reasoning, beam=beam_search_params(body))
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
+
+
+def beam_search_params(body: SamplingFields) -> BeamSearchParams | None:
+    """vLLM's use_beam_search: a search of width n, whose n best beams are the choices."""
+    if not body.use_beam_search:
+        return None
+    return BeamSearchParams(body.n, body.requested_max_tokens, body.ignore_eos, body.length_penalty,
+                            body.include_stop_str_in_output, body.skip_special_tokens)
 
 
 def chat_options(body: ChatCompletionRequest | TokenizeRequest, args: AppArgs) -> ChatOptions:

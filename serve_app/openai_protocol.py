@@ -171,8 +171,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 # vLLM's request fields this server does not implement: field -> (the values that ask for nothing, why refused)
 UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
-    "use_beam_search": ((False, None), "beam search"),
-    "length_penalty": ((1, 1.0, None), "length_penalty (a beam search's)"),
     "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens false"),
     "logits_processors": ((None, []), "custom logits processors"),
     "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
@@ -246,6 +244,9 @@ class SamplingFields(BaseModel):
                                         description="words the output may not hold, token by token as vLLM bans them")
     request_id: str | None = Field(default=None, pattern=REQUEST_ID.pattern,
                                    description="the response's id, as an X-Request-Id header would set it")
+    use_beam_search: bool = Field(default=False, description="the n best beams of a beam search of width n")
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0,
+                                  description="beams rank by cumulative logprob / length ** length_penalty")
 
     @model_validator(mode="before")
     @classmethod
@@ -271,6 +272,28 @@ class SamplingFields(BaseModel):
     def scores_prompt_by_echo(self) -> bool:
         """Completions' echo with logprobs, which scores the prompt in OpenAI's format."""
         return False
+
+    @model_validator(mode="after")
+    def _beam_search_alone(self) -> "SamplingFields":
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise refuse("length_penalty", "length_penalty without use_beam_search (it ranks a beam search's beams)")
+            return self
+        for field in self.beam_search_conflicts():
+            raise refuse(field, f"{field} beside use_beam_search (beams rank by the model's own log-probabilities "
+                                "and end at EOS or max_tokens)")
+        return self
+
+    def beam_search_conflicts(self) -> list[str]:
+        """The fields set that a beam search cannot follow (vLLM's would ignore them)."""
+        asks = {"temperature": "temperature" in self.model_fields_set and self.temperature != 0.0,
+                "top_p": self.top_p != 1.0, "top_k": self.top_k not in (None, -1), "min_p": self.min_p != 0.0,
+                "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+                "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
+                "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens > 0,
+                "logprobs": self.num_logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
+                "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words)}
+        return [field for field, asked in asks.items() if asked] + self.constraint_fields
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "SamplingFields":
@@ -486,6 +509,9 @@ class ChatCompletionRequest(SamplingFields):
                                       "set tool_choice to none", {"field": self.constraint_fields[0],
                                                                   "path": self.constraint_fields[0]})
         return self
+
+    def beam_search_conflicts(self) -> list[str]:
+        return super().beam_search_conflicts() + (["tools"] if self.effective_tool_choice != "none" else [])
 
     @property
     def effective_tool_choice(self) -> str:

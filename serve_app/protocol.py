@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import SamplingParams
+from engine.beam_search import BeamSearchParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.engine_stats import EngineStats
 from engine.pooling_params import PoolingParams
@@ -28,6 +29,7 @@ class GenerationJob:
     priority: int = 0  # the engine's priority policy serves a lower value first; its fcfs policy refuses any other
     lora_name: str | None = None  # the LoRA adapter the request named as its model; None: the base model
     reasoning: ReasoningFormat | None = None  # the app's reasoning parser, for a chat: its constraint waits for the end
+    beam: BeamSearchParams | None = None  # vLLM's use_beam_search: the n choices are the best beams of width n
 
 
 @dataclass

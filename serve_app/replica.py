@@ -105,6 +105,12 @@ class EngineReplica:
             field = "echo" if job.echo else "prompt_logprobs"  # echo with logprobs, or vLLM's field
             return Refused(400, f"{'echo with logprobs' if job.echo else field} scores every prompt token; this "
                                 f"prompt has {len(token_ids)} tokens and the server scores at most {limit}", field)
+        if job.beam is not None:  # its steps' requests are the search's own (AsyncLLMEngine.beam_search)
+            try:
+                self.frontend.inputs.beam_search(token_ids, job.beam, job.cache_salt, job.priority, job.lora_name)
+            except Exception as exc:
+                return _refusal(exc, job)
+            return [], token_ids
         streams: list[RequestStream] = []
         try:
             for index in range(job.n):
@@ -152,6 +158,10 @@ class EngineReplica:
         try:
             yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None,
                            list(prompt_ids) if job.return_token_ids else None)
+            if job.beam is not None:
+                async for delta in self._beams(job, prompt_ids):
+                    yield delta
+                return
             sent_tokens: list[int | None] = [None] * len(streams)  # None: nothing sent yet
             held_text: list[str] = [""] * len(streams)  # text of outputs not sent yet; the latest output has the rest
             prompt_scores: list[TokenLogprob] | None = None  # the first choice's, formatted once for every choice
@@ -180,6 +190,24 @@ class EngineReplica:
             for stream in streams:
                 await stream.aclose()  # a disconnect cancels us here: abort, so the blocks free on the next step
 
+    async def _beams(self, job: GenerationJob, prompt_ids: list[int]):
+        """A beam search's best beams, each choice one Delta at the end (streamed too: no beam is final before)."""
+        tokenizer = self._token_texts.tokenizer  # the event loop's
+        try:
+            found = await self.frontend.beam_search(
+                f"{job.request_id}#{uuid.uuid4().hex[:12]}", prompt_ids, job.beam,
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=job.beam.skip_special_tokens), job.cache_salt,
+                job.priority, job.lora_name)
+        except (EngineInputError, RuntimeError) as exc:
+            yield Delta(0, "", 0, error=str(exc), error_param=getattr(exc, "param", None))
+            return
+        for index, beam in enumerate(found.sequences):
+            ids = beam.output_token_ids(len(prompt_ids))
+            thinking = None if job.reasoning is None else \
+                reasoning_token_count(ids, job.reasoning, *self._reasoning_markers[job.reasoning])
+            yield Delta(index, beam.text, len(ids), beam.finish_reason, cached_tokens=found.num_cached_tokens,
+                        token_ids=ids if job.return_token_ids else None, reasoning_tokens=thinking)
+
     async def embed(self, job: EmbeddingJob) -> Embeddings | Refused:
         """Each input's embedding: tokenized on the tokenizer thread, then run as engine requests, at most
         EMBEDDINGS_IN_FLIGHT of one job at a time."""
@@ -194,15 +222,9 @@ class EngineReplica:
                 stream = self.frontend.add_request(f"{job.request_id}#{uuid.uuid4().hex[:12]}", ids, final_only=True,
                                                    priority=job.priority, lora_name=job.lora_name, pooling=job.pooling)
                 try:
-                    async for output in stream:
-                        if output.error:
-                            raise EngineInputError(output.error, output.error_param) if output.error_param else \
-                                RuntimeError(output.error)
-                        if output.finished:
-                            return output.embedding_f32
+                    return (await stream.final()).embedding_f32
                 finally:
                     await stream.aclose()
-            raise RuntimeError("the engine ended an embedding request without its embedding")
 
         try:
             vectors = await all_or_none([one(ids) for ids in prompts])  # a cancelled one's stream aborts

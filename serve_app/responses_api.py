@@ -26,6 +26,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "top_logprobs": ((None, 0), "top_logprobs in a response"),
     "truncation": ((None, "disabled"), "truncation auto (a conversation that does not fit is refused)"),
     "stream_options": ((None, {}, {"include_obfuscation": False}), "stream obfuscation"),
+    # a beam search's beams are chat choices, and a response has one output
+    "use_beam_search": ((None, False), "use_beam_search in a response (it has one output, not n beams)"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty in a response (a beam search's)"),
 }
 # chat fields a response has its own spelling of, or no place for: refused by name rather than passed on
 CHAT_ONLY_FIELDS = {

@@ -183,3 +183,21 @@ async def test_a_stop_string_split_across_tokens_never_leaks_into_a_delta(engine
         assert expected.startswith(sent), f"a delta showed text past the stop string {stop!r}: {sent!r}"
     assert sent == outs[-1].text == expected and outs[-1].finish_reason == "stop"
     assert len(outs) > 3, "the stream must have delivered several deltas before the stop"
+
+
+async def test_a_beam_search_gives_the_offline_beams_and_a_cancelled_one_frees_its_blocks(engine, llm32):
+    from engine import BeamSearchParams
+
+    params = BeamSearchParams(3, max_tokens=6, ignore_eos=True)
+    prompt = engine.inputs.tokenize(CHAT)
+    found = await engine.beam_search("beams-1", prompt, params, engine.inputs.tokenizer.decode)
+    offline = llm32.beam_search([prompt], params, use_tqdm=False)[0]
+    assert [(b.tokens, b.text) for b in found.sequences] == [(b.tokens, b.text) for b in offline.sequences]
+    task = asyncio.create_task(engine.beam_search("beams-2", prompt, BeamSearchParams(3, max_tokens=200),
+                                                  engine.inputs.tokenizer.decode))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stats = await wait_idle(engine)
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0

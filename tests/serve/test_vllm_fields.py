@@ -231,3 +231,36 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     counts = [chunk.usage.completion_tokens for chunk in chunks]
     assert all(chunk.usage is not None for chunk in chunks) and counts == sorted(counts) and counts[-1] == 12
     assert len({chunk.usage.prompt_tokens for chunk in chunks}) == 1 and len(chunks) > 3
+
+
+def test_use_beam_search_gives_the_offline_engines_beams_as_choices_whole_and_streamed(client, llm32):
+    from engine import BeamSearchParams
+
+    prompt = "The best thing about the sea is"
+    expected = llm32.beam_search(prompt, BeamSearchParams(3, max_tokens=8), use_tqdm=False)[0].sequences
+    reply = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=8,
+                                      extra_body={"use_beam_search": True, "return_token_ids": True})
+    assert [c.text for c in reply.choices] == [b.text for b in expected]
+    assert [c.finish_reason for c in reply.choices] == [b.finish_reason for b in expected]
+    assert reply.usage.completion_tokens == sum(len(b.tokens) for b in expected) - 3 * len(reply.choices[0].prompt_token_ids)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=8, stream=True,
+                                         extra_body={"use_beam_search": True})
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [b.text for b in expected]
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, n=2, max_tokens=6, temperature=0.0,
+                                          extra_body={"use_beam_search": True, "length_penalty": 0.0})
+    assert len({c.message.content for c in chat.choices}) == 2
+
+
+@pytest.mark.parametrize("extra,field", [({"temperature": 0.7}, "temperature"), ({"stop": ["\n"]}, "stop"),
+                                         ({"logprobs": True}, "logprobs"), ({"top_k": 5}, "top_k"),
+                                         ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+                                         ({"n": 11}, "n")])
+def test_what_a_beam_search_cannot_follow_is_a_400_naming_the_field(serve_app, extra, field):
+    body = {"messages": ASK, "max_tokens": 4, "n": 2, "use_beam_search": True, **extra}
+    r = httpx.post(serve_app["base_url"] + "/v1/chat/completions", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {serve_app['api_key']}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

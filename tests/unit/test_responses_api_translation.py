@@ -136,8 +136,11 @@ def test_vllms_sampling_extensions_pass_to_the_chat_request_and_chat_only_fields
                                             "nonsense": 1}).chat_request()
     assert (chat.top_k, chat.seed, chat.ignore_eos) == (3, 7, True)
     with pytest.raises(OpenAIError) as refused:
-        ResponsesRequest.model_validate({"input": "hi", "use_beam_search": True}).chat_request()
-    assert refused.value.param == "use_beam_search"
+        ResponsesRequest.model_validate({"input": "hi", "guided_whitespace_pattern": " "}).chat_request()
+    assert refused.value.param == "guided_whitespace_pattern"
+    with pytest.raises(ValidationError, match="use_beam_search in a response"):
+        ResponsesRequest.model_validate({"input": "hi", "use_beam_search": True})
+    assert ResponsesRequest.model_validate({"input": "hi", "use_beam_search": False}).chat_request().n == 1
     for field in ("n", "messages", "max_tokens", "logprobs"):
         with pytest.raises(ValidationError) as refused:
             ResponsesRequest.model_validate({"input": "hi", field: 2})
