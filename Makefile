@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-check gpu-serve-check gpu-wheels min-versions setup model serve stop test test-all test-fast bench bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: gpu-check gpu-serve-check gpu-wheels min-versions setup model serve stop test test-all test-fast bench bench-beam bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -142,6 +142,10 @@ bench-prefill: model $(PEERS)/.installed
 # serving CPU per 1,000 output tokens by process, at 1-128 clients, streamed and not, this app against vLLM's server
 bench-serving: model $(PEERS)/.installed
 	$(PY) benchmarks/serving_cost.py --vllm-python $(PEERS)/bin/python $(ARGS)
+
+# beam search (use_beam_search, LLM.beam_search) against vLLM-CPU's LLM.beam_search on the same ids, and the same beams
+bench-beam: model $(PEERS)/.installed
+	$(PY) benchmarks/beam_search.py --vllm-python $(PEERS)/bin/python $(ARGS)
 
 # Prometheus from Debian (Grafana is not installable here: the dashboards ship as provisioned JSON)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
