@@ -1,7 +1,9 @@
 """Paged KV bookkeeping with automatic prefix caching. Torch-free: block ids index the model runner's pool.
 
 A full block's identity is its tokens plus its parent's hash. Freed blocks keep their contents and stay
-findable until the allocator reuses them (lazy eviction); blocks nobody can hit are reused first.
+findable until the allocator reuses them (lazy eviction); blocks nobody can hit are reused first. A freed
+sequence's last, partly computed block stays findable too (a tail): a prompt that continues it copies its computed
+slots instead of computing them again, as each step of a beam search continues the step before.
 
 Hashes are BLAKE2b digests, not Python's hash(): crafted collisions could otherwise map one tenant's prompt onto
 another's blocks (CVE-2025-25183 in vLLM). A chain starts from the request's cache_salt, so tenants that use
@@ -38,13 +40,14 @@ def root_hash(cache_salt: str | None, lora_key: str | None = None) -> bytes:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "key")
+    __slots__ = ("block_id", "ref_count", "hash", "key", "tail")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = NO_HASH
         self.key: tuple[bytes, tuple[int, ...]] | None = None  # (parent_hash, token_ids), verified on every hit
+        self.tail: tuple[bytes, tuple[int, ...]] | None = None  # a freed tail's (parent_hash, computed token_ids)
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash != NO_HASH})"
@@ -62,6 +65,7 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_evictions = 0  # cached blocks reused for other content
+        self.tails: dict[bytes, dict[int, None]] = {}  # parent hash -> freed tail blocks that continue it
 
     @property
     def num_blocks(self) -> int:
@@ -90,6 +94,22 @@ class BlockManager:
             matched.append(block_id)
             parent = self.blocks[block_id].hash
         return matched
+
+    def match_tail(self, token_ids: list[int], matched: list[int], cache_salt: str | None = None,
+                   lora_key: str | None = None) -> tuple[int, int] | None:
+        """A freed tail continuing the `matched` full blocks, as (block id, how many of its computed slots this
+        prompt shares), the most shared; the prompt's last token is always left to compute."""
+        start = len(matched) * self.block_size
+        wanted = token_ids[start : start + min(self.block_size - 1, len(token_ids) - 1 - start)]
+        if not self.enable_prefix_caching or not wanted:
+            return None
+        parent = self.blocks[matched[-1]].hash if matched else root_hash(cache_salt, lora_key)
+        best = None
+        for block_id in self.tails.get(parent, ()):
+            shared = _common_prefix(self.blocks[block_id].tail[1], wanted)
+            if shared and (best is None or shared > best[1]):
+                best = (block_id, shared)
+        return best
 
     def can_allocate(self, matched: list[int], num_tokens: int) -> bool:
         """Whether a waiting sequence can hold `num_tokens` slots, reusing the `matched` prefix blocks."""
@@ -139,6 +159,7 @@ class BlockManager:
             self._release(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
+        self._keep_tail(seq)
         # Tail blocks first, so the shared head of a prefix outlives it in the free list.
         for block_id in reversed(seq.block_table):
             self._release(block_id)
@@ -147,8 +168,33 @@ class BlockManager:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _keep_tail(self, seq: Sequence) -> None:
+        """Make the sequence's partly computed last block findable once freed, where it alone holds it and the
+        blocks before it are published (the chain its tokens continue)."""
+        index, computed = divmod(seq.num_computed_tokens, self.block_size)
+        if not self.enable_prefix_caching or computed == 0 or index >= len(seq.block_table):
+            return
+        block = self.blocks[seq.block_table[index]]
+        parent = self.blocks[seq.block_table[index - 1]].hash if index else root_hash(seq.cache_salt, seq.lora_key)
+        if block.ref_count != 1 or block.hash != NO_HASH or (index and parent == NO_HASH):
+            return
+        self._drop_tail(block)
+        start = index * self.block_size
+        block.tail = (parent, tuple(seq.token_ids[start : start + computed]))
+        self.tails.setdefault(parent, {})[block.block_id] = None
+
+    def _drop_tail(self, block: Block) -> None:
+        if block.tail is None:
+            return
+        siblings = self.tails[block.tail[0]]
+        del siblings[block.block_id]
+        if not siblings:
+            del self.tails[block.tail[0]]
+        block.tail = None
+
     def _take(self, block_id: int, keep_cached: bool = False) -> int:
         block = self.blocks[block_id]
+        self._drop_tail(block)  # its slots are the taker's now (a scheduled copy out of it runs before they change)
         if block.ref_count == 0:
             del self.free_blocks[block_id]
             if not keep_cached and block.hash != NO_HASH:
@@ -163,7 +209,7 @@ class BlockManager:
         assert block.ref_count >= 0, f"{block} freed twice"
         if block.ref_count == 0:
             self.free_blocks[block_id] = None
-            if block.hash == NO_HASH:
+            if block.hash == NO_HASH and block.tail is None:
                 self.free_blocks.move_to_end(block_id, last=False)
 
     def _evict(self, block: Block) -> None:
@@ -183,3 +229,13 @@ class BlockManager:
         block.key = (parent, tokens)
         block.hash = hash_block(tokens, parent)
         self.hash_to_blocks.setdefault(block.hash, {})[block.block_id] = None
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    """How many leading tokens a and b share: a slot's K and V depend only on the tokens up to it."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

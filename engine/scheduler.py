@@ -177,6 +177,10 @@ class Scheduler:
             tail = self._leaders_tail_block(seq, len(matched))
             if tail is not None:
                 num_cached = len(seq) - 1
+            elif seq.params.prompt_logprobs is None and (found := self.block_manager.match_tail(
+                    seq.token_ids, matched, seq.cache_salt, seq.lora_key)) is not None:
+                tail, shared = found  # a freed sequence's partly computed block that this prompt continues
+                num_cached += shared
             num_new = min(len(seq) - num_cached, self._chunk_budget(seq, budget))
             if num_new <= 0:
                 return

@@ -93,6 +93,10 @@ class FakeEngine:
         for h, copies in bm.hash_to_blocks.items():
             assert copies and all(bm.blocks[block_id].hash == h for block_id in copies)
         assert sum(map(len, bm.hash_to_blocks.values())) == sum(block.hash != NO_HASH for block in bm.blocks)
+        for parent, tails in bm.tails.items():  # a findable tail is free and unpublished, indexed under its parent
+            assert tails and all(bm.blocks[b].tail[0] == parent and bm.blocks[b].ref_count == 0
+                                 and bm.blocks[b].hash == NO_HASH for b in tails)
+        assert sum(map(len, bm.tails.values())) == sum(block.tail is not None for block in bm.blocks)
 
     def drain(self, max_steps=5000):
         for _ in range(max_steps):
@@ -330,16 +334,71 @@ def test_a_sibling_copies_its_leaders_partial_prompt_block_and_computes_only_the
     assert sibling.output_token_ids == leader.output_token_ids and engine.bm.num_free_blocks == 64
 
 
-def test_a_sibling_computes_the_partial_block_itself_once_its_leader_finished():
+def test_a_sibling_copies_the_partial_block_its_finished_leader_freed():
     engine = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_tokens_per_step=64)
     prompt = list(range(19))
     leader = engine.add("a", prompt, max_tokens=1)
     sibling = engine.add("b", prompt, max_tokens=1, leader=leader)
     engine.step()  # the leader computes the prompt and finishes, freeing its partial block
+    freed_tail = next(b.block_id for b in engine.bm.blocks if b.tail is not None)
     batch = engine.step()
     assert leader.is_finished and batch.seqs == [sibling]
-    assert batch.num_new_tokens == [3] and batch.block_copies == []
+    assert batch.num_new_tokens == [1] and [source for source, _ in batch.block_copies] == [freed_tail]
     engine.drain()
+
+
+def test_a_prompt_continuing_a_finished_sequence_copies_only_the_slots_it_shares():
+    engine = FakeEngine(num_blocks=64, block_size=8, max_num_seqs=4, max_tokens_per_step=64)
+    first = engine.add("a", list(range(12)), max_tokens=2)  # one full block, then 4 prompt tokens and 1 output computed
+    engine.drain()
+    assert first.is_finished
+    same_start = engine.add("b", list(range(10)) + [99, 98, 97], max_tokens=1)  # shares 2 of the tail's 5 slots
+    batch = engine.step()
+    assert batch.seqs == [same_start] and batch.num_new_tokens == [3] and len(batch.block_copies) == 1
+    other = engine.add("c", [50] * 8 + list(range(8, 12)), max_tokens=1)  # another first block: another chain
+    batch = engine.step()
+    assert batch.seqs == [other] and batch.block_copies == [] and batch.num_new_tokens == [12]
+    engine.drain()
+    assert engine.bm.num_free_blocks == 64
+
+
+def test_a_freed_tail_taken_for_other_tokens_is_found_no_more():
+    engine = FakeEngine(num_blocks=2, block_size=4, max_num_seqs=1, max_tokens_per_step=64)
+    engine.add("a", [1, 2, 3, 4, 5, 6], max_tokens=1)
+    engine.drain()
+    assert sum(b.tail is not None for b in engine.bm.blocks) == 1
+    engine.add("b", [7, 7, 7, 7, 7, 7, 7], max_tokens=1)  # needs both blocks: the tail's too
+    engine.drain()
+    again = engine.add("c", [1, 2, 3, 4, 5, 6, 8], max_tokens=1)
+    batch = engine.step()
+    assert batch.block_copies == [] and batch.num_new_tokens == [7] and again.num_cached_tokens == 0
+    engine.drain()
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    rounds=st.lists(st.lists(st.tuples(st.integers(0, 99), st.integers(0, 60), prompts, st.integers(1, 6)),
+                             min_size=1, max_size=4), min_size=1, max_size=5),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    max_num_seqs=st.integers(1, 4),
+)
+def test_prompts_that_continue_finished_sequences_read_back_their_own_context(rounds, num_blocks, block_size,
+                                                                             max_num_seqs):
+    """Each round's prompts continue a cut of an earlier sequence (a beam search's next step, a chat's next turn):
+    whatever comes from a freed tail, assert_context_intact reads every earlier slot back as its own token."""
+    engine = FakeEngine(num_blocks, block_size, max_num_seqs, 64)
+    history, capacity = [[0, 1, 2, 3, 0, 1, 2]], num_blocks * block_size
+    for i, requests in enumerate(rounds):
+        added = []
+        for j, (pick, cut, extra, max_tokens) in enumerate(requests):
+            base = history[pick % len(history)]
+            prompt = (base[: cut % (len(base) + 1)] + extra)[: capacity - max_tokens - 1]
+            if prompt:
+                added.append(engine.add(f"{i}.{j}", prompt, max_tokens))
+        engine.drain()
+        history += [s.token_ids for s in added if s.finish_reason == "length" and len(s.token_ids) < capacity]
+    assert engine.bm.num_free_blocks == num_blocks
 
 
 def test_a_sibling_does_not_wait_for_a_preempted_leader():
