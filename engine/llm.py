@@ -78,14 +78,21 @@ class LLM:
         """Each prompt's beams, best first, as vLLM's LLM.beam_search (engine/beam_search.py): every step, each
         prompt's live beams run as one-token requests, all prompts in one batch."""
         searches = [self.inputs.beam_search(prompt, params) for prompt in _as_batch(prompts)]
+        step_params = params.step_params()  # every search's: they differ in max_tokens alone
         cached: list[int | None] = [None] * len(searches)
         with tqdm(total=len(searches), desc="beam search", unit="req", disable=not use_tqdm) as bar, \
                 heap_frozen_during():
             while live := [i for i, search in enumerate(searches) if not search.done]:
                 asked = {i: [f"beam-{uuid.uuid4().hex}" for _ in searches[i].live] for i in live}
-                for i in live:
-                    for request_id, tokens in zip(asked[i], searches[i].beam_prompts()):
-                        self.add_request(request_id, tokens, searches[i].params.step_params(), final_only=True)
+                added: list[str] = []
+                try:
+                    for i in live:
+                        for request_id, tokens in zip(asked[i], searches[i].beam_prompts()):
+                            self.add_request(request_id, tokens, step_params, final_only=True)
+                            added.append(request_id)
+                except BaseException:  # a step refused (a full queue) must not leave its other beams running
+                    self._withdraw(added)
+                    raise
                 finals = self._finals()
                 for i in live:
                     answers = [finals[request_id].checked() for request_id in asked[i]]
@@ -133,14 +140,18 @@ class LLM:
                 self.add_request(request_id, prompt, p, tools=tools, final_only=True, priority=rank, options=options,
                                  lora_name=adapter, pooling=pooling)
             except BaseException:  # one refused prompt refuses the batch: the ones before it must not run on
-                for earlier in ids[:added]:
-                    self.abort(earlier)
-                    self.outputs.forget(earlier)
+                self._withdraw(ids[:added])
                 raise
         with (tqdm(total=len(prompts), desc="embed" if pooling else "generate", unit="req", disable=not use_tqdm) as bar,
               heap_frozen_during()):
             finals = self._finals(lambda: bar.update(1))
         return [finals[request_id] for request_id in ids]
+
+    def _withdraw(self, request_ids: list[str]) -> None:
+        """Stop requests already added, and report on them no more."""
+        for request_id in request_ids:
+            self.abort(request_id)
+            self.outputs.forget(request_id)
 
     def _finals(self, each: Callable[[], None] = lambda: None) -> dict[str, RequestOutput]:
         """Step until no request is left: each one's final output by its id."""

@@ -61,3 +61,15 @@ def test_a_prompt_that_leaves_no_room_is_refused_before_any_step(llm32):
         llm32.beam_search(["hi"], BeamSearchParams(2, max_tokens=10**6), use_tqdm=False)
     assert refused.value.param == "max_tokens"
     assert llm32.engine.stats().num_waiting == 0
+
+
+def test_a_step_the_queue_refuses_leaves_no_beam_running():
+    from engine import LLM, EngineOverloadedError
+
+    llm = LLM(dtype="float32", num_kv_blocks=64, max_waiting=3)
+    with pytest.raises(EngineOverloadedError):  # 2 prompts x 2 beams: the fourth request of the second step is refused
+        llm.beam_search(PROMPTS[:2], BeamSearchParams(2, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert llm.step() == []  # the beams added before the refusal were aborted, not run and reported
+    assert not llm.has_unfinished_requests()
+    stats = llm.engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total
