@@ -197,7 +197,7 @@ std::optional<std::vector<at::Tensor>> decode_layers_in_region(
     auto o = region_linear(w + 5, q_size, step.hidden, step);
     auto gate_up = region_linear(w + 10, step.hidden, 2 * step.inner, step);
     auto down = region_linear(w + 14, step.inner, step.hidden, step);
-    if (!qkv || !o || !gate_up || !down) return std::nullopt;
+    if (!qkv || !o || !gate_up || !down || w[18].numel()) return std::nullopt;  // w[18]: q/k norms (Qwen3), not here
     for (const at::Tensor* norm : {w, w + 9})
       TORCH_CHECK(norm->scalar_type() == dtype && norm->is_contiguous() && norm->numel() == step.hidden);
     const at::Tensor &k_cache = kv_caches[2 * l], &v_cache = kv_caches[2 * l + 1];

@@ -34,12 +34,19 @@ struct LayerLinear {
   }
 };
 
-constexpr int64_t kWeightsPerLayer = 18;  // the order of engine/models/llama.py's `_native_weights`
+constexpr int64_t kWeightsPerLayer = 20;  // the order of engine/models/llama.py's `_all_layers`
+
+// Qwen3's per-head RMSNorm of q or k, in place on its columns of the merged projection, as llama.py's
+// Attention._normalise_heads: the heads as rows of head_dim, normed, written back.
+void normalise_heads(at::Tensor part, const at::Tensor& weight, int64_t head_dim, double eps) {
+  auto normed = add_rms_norm(part.reshape({-1, head_dim}), c10::nullopt, weight, eps)[0];
+  part.copy_(normed.view(part.sizes()));
+}
 
 }  // namespace
 
 // hidden [B, hidden_size]: the token embeddings of B single-token decodes. Runs every layer (RMSNorm with
-// the residual add, q/k/v, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
+// the residual add, q/k/v, Qwen3's q/k norms, rotary, KV write, paged decode attention, o, RMSNorm, gate/up, SiLU-and-mul, down) and
 // returns (hidden, residual) of the last layer, before the final norm. one_region: all in one OpenMP region
 // (decode_region_cpu.cpp; an error where the weights do not allow it), else op by op as below.
 std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor> weights,
@@ -54,7 +61,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor>
   if (one_region) {
     auto out = decode_layers_in_region(hidden, weights, kv_caches, positions, cos, sin, slots, block_tables,
                                        context_lens, heads, kv_heads, head_dim, eps, scaling, kWeightsPerLayer);
-    TORCH_CHECK(out, "one region takes interleaved GGUF blocks (an AVX-512 or AVX2 build), fp32 or bf16, head_dim 64 or 128");
+    TORCH_CHECK(out, "one region takes interleaved GGUF blocks (an AVX-512 or AVX2 build), fp32 or bf16, head_dim 64 or 128, no q/k norms");
     return *out;
   }
   const int64_t batch = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -69,6 +76,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor hidden, std::vector<at::Tensor>
     auto normed = add_rms_norm(hidden, residual, w[0], eps);
     residual = normed[1];
     auto qkv = qkv_proj(normed[0]);
+    if (w[18].numel()) {  // q_norm and k_norm (Qwen3); empty tensors elsewhere
+      normalise_heads(qkv.narrow(1, 0, q_size), w[18], head_dim, eps);
+      normalise_heads(qkv.narrow(1, q_size, kv_size), w[19], head_dim, eps);
+    }
     rotary_inplace(qkv, positions, cos, sin, heads + kv_heads, head_dim);
     auto q = qkv.narrow(1, 0, q_size).view({batch, heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({batch, kv_heads, head_dim});

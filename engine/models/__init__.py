@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # the fallback is imported where it runs: transformers' PreTr
 
     Model = LlamaForCausalLM | HFCausalLM
 
-NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM}
+NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
+          "MistralForCausalLM": LlamaForCausalLM}
 
 __all__ = ["load_model", "NATIVE", "native_unsupported", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
            "embedded_gguf_path", "embedding_sizes", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]

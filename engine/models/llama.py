@@ -1,7 +1,8 @@
-"""The Llama family (Llama, SmolLM2, Qwen2/2.5, Mistral without a sliding window) on the engine's own layers:
-merged q/k/v and gate/up projections, RMSNorm with the residual add fused, a rotary table, paged attention, and
-logits only where a token is sampled. The layout follows nano-vllm's `models/qwen3.py`; the math follows
-transformers' `modeling_llama.py` / `modeling_qwen2.py`, checked against them in fp32 by `tests/engine/test_parity.py`.
+"""The Llama family (Llama, SmolLM2, Qwen2/2.5, Qwen3, Mistral without a sliding window) on the engine's own
+layers: merged q/k/v and gate/up projections, RMSNorm with the residual add fused, a rotary table, paged attention,
+and logits only where a token is sampled. The layout follows nano-vllm's `models/qwen3.py`; the math follows
+transformers' `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`, checked against them in fp32 by
+`tests/engine/test_parity.py` and `tests/engine/test_synthetic_models.py`.
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def has_qk_norm(cfg) -> bool:
+    return cfg.model_type == "qwen3"
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer: int):
         super().__init__()
@@ -44,14 +49,25 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
         self.scaling = self.head_dim**-0.5
+        # Qwen3 normalises each head of q and k (RMSNorm over head_dim) before the rotary embedding
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if has_qk_norm(cfg) else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if has_qk_norm(cfg) else None
 
     def forward(self, rope: StepRope, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = self.qkv_proj.split(qkv)
+        if self.q_norm is not None:
+            self._normalise_heads(q, k)
         q, k = rope.rotate(qkv, q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim))
         out = paged_attention(q, k, v.view(tokens, self.kv_heads, self.head_dim), self.layer, meta, self.scaling)
         return self.o_proj(out.view(tokens, self.heads * self.head_dim))
+
+    def _normalise_heads(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Qwen3's per-head norms, written back into q and k, views of the merged projection, so that the rotary
+        embedding (fused: in place on the projection) reads them."""
+        for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+            x.copy_(norm(x.reshape(-1, self.head_dim))[0].view(x.shape))
 
 
 class MLP(nn.Module):
@@ -267,12 +283,14 @@ class LlamaForCausalLM(nn.Module):
 
 def _all_layers(layers: nn.ModuleList, linear_weights) -> list[torch.Tensor]:
     """Every layer's weights in the order `decode_layers` reads them: norm, q/k/v, o, norm, gate/up, down, each
-    linear as the 4 tensors `linear_weights` gives."""
+    linear as the 4 tensors `linear_weights` gives, then the q and k norms (Qwen3's; empty elsewhere)."""
     weights = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
+        head_norms = [_NONE, _NONE] if attention.q_norm is None else [attention.q_norm.weight, attention.k_norm.weight]
         weights += [layer.input_layernorm.weight, *linear_weights(attention.qkv_proj), *linear_weights(attention.o_proj),
-                    layer.post_attention_layernorm.weight, *linear_weights(mlp.gate_up_proj), *linear_weights(mlp.down_proj)]
+                    layer.post_attention_layernorm.weight, *linear_weights(mlp.gate_up_proj), *linear_weights(mlp.down_proj),
+                    *head_norms]
     return weights
 
 

@@ -31,7 +31,7 @@ def random_step(rows, heads, kv_heads, head_dim, dtype, bias, layers=2, hidden=1
         weights += [norm(), *linear(kinds[0], (heads + 2 * kv_heads) * head_dim, hidden, 10 * layer + 1, dtype, bias),
                     *linear(kinds[1], hidden, heads * head_dim, 10 * layer + 2, dtype, bias), norm(),
                     *linear(kinds[0], 2 * inner, hidden, 10 * layer + 3, dtype, bias),
-                    *linear(kinds[1], hidden, inner, 10 * layer + 4, dtype, bias)]
+                    *linear(kinds[1], hidden, inner, 10 * layer + 4, dtype, bias), torch.empty(0), torch.empty(0)]
     num_blocks = rows * width + 2
     caches = [torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=g).to(dtype) for _ in range(2 * layers)]
     tables = torch.randperm(num_blocks, generator=g)[: rows * width].view(rows, width)
