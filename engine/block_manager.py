@@ -117,12 +117,15 @@ class BlockManager:
         fresh = max(0, self.blocks_needed(num_tokens) - len(matched))
         return fresh + reused_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, matched: list[int], num_tokens: int) -> None:
+    def allocate(self, seq: Sequence, matched: list[int], num_tokens: int, copied: int = 0) -> None:
+        """Give a waiting sequence the `matched` prefix blocks and fresh ones up to `num_tokens` slots; `copied`
+        slots of the first fresh block come from a tail block the step copies, found as the prefix cache's are."""
         assert not seq.block_table, f"{seq} already holds blocks"
+        assert copied < self.block_size, f"{copied} copied slots fill a block"
         for block_id in matched:
             self._take(block_id, keep_cached=True)
         seq.block_table = array("q", matched)
-        seq.num_computed_tokens = len(matched) * self.block_size
+        seq.num_computed_tokens = len(matched) * self.block_size + copied
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         if self.enable_prefix_caching:

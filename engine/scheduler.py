@@ -181,6 +181,7 @@ class Scheduler:
                     seq.token_ids, matched, seq.cache_salt, seq.lora_key)) is not None:
                 tail, shared = found  # a freed sequence's partly computed block that this prompt continues
                 num_cached += shared
+            copied = num_cached - len(matched) * self.block_manager.block_size
             num_new = min(len(seq) - num_cached, self._chunk_budget(seq, budget))
             if num_new <= 0:
                 return
@@ -191,10 +192,9 @@ class Scheduler:
                 if num_new <= 0:
                     return
             self.waiting.popleft()
-            self.block_manager.allocate(seq, matched, num_cached + num_new)
+            self.block_manager.allocate(seq, matched, num_cached + num_new, copied)
             if tail is not None:
                 batch.block_copies.append((tail, seq.block_table[len(matched)]))
-                self.block_manager.mark_computed(seq, num_cached)
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq)
             batch.add(seq, num_new)

@@ -199,7 +199,8 @@ def test_n_choices_share_the_prompt_blocks_and_seeds_repeat(client, replica_hand
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, n=3, **salted)
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, n=3, **salted)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
-    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
+    # its blocks, and of its last partial one what a freed choice's tail still shares with it
+    assert full_blocks <= again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=3)
     assert len({c.text for c in greedy.choices}) == 1 and len(greedy.choices) == 3
 
