@@ -75,9 +75,11 @@ async def mixed_traffic(base: str, auth: dict) -> dict:
         for i in range(3):  # one after another, so the later ones hit the cached prefix blocks
             await complete(SHARED_PREFIX + f"Question {i}: why is the sky blue?", 8)
         await asyncio.gather(*(stream_chat(f"Tell me about the number {i}.") for i in range(4)))
-        # 8 requests of ~55 tokens (4 blocks) each against a 24-block pool, all running at once (max_num_seqs 8):
-        # some must be preempted and recomputed. Few tokens: NF4 through bitsandbytes is slow on AVX2-only CPUs
-        await asyncio.gather(*(complete(f"Count slowly from {i}:", 48) for i in range(8)))
+        # 8 requests of ~105 tokens (7 blocks) each against a 24-block pool (max_num_seqs 8): any four running at
+        # once outgrow it, so some must be preempted and recomputed (at ~55 tokens all eight had to overlap to the
+        # end, and on a fast CPU they once did not). Few new tokens: NF4 through bitsandbytes is slow on AVX2-only CPUs
+        await asyncio.gather(*(complete(f"Count slowly from {i}: " + "one, two, three, four, five, " * 5, 48)
+                               for i in range(8)))
         assert (await client.post("/v1/completions", json={"prompt": "", "max_tokens": 4})).status_code == 400
         assert (await client.post("/v1/completions", json={"prompt": "hi", "model": "nope"})).status_code == 404
         body = {"prompt": "Write a very long story.", "max_tokens": 200, "stream": True, "ignore_eos": True}
