@@ -160,6 +160,8 @@ class EngineReplica:
                            list(prompt_ids) if job.return_token_ids else None)
             if job.beam is not None:
                 async for delta in self._beams(job, prompt_ids):
+                    if delta.index == 0 and delta.error is None:  # beams come whole at the end: the first is the first chunk
+                        self.signals.first_token(time.monotonic() - started)
                     yield delta
                 return
             sent_tokens: list[int | None] = [None] * len(streams)  # None: nothing sent yet
