@@ -73,11 +73,13 @@ def instrumented(llm: LLM, clock: PhaseClock):
             setattr(owner, name, original)
 
 
-def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) -> LLM:
-    """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks), then "+compile" or "+layered"."""
+def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int, model: str | None = None) -> LLM:
+    """impl: native, hf, or gguf (the native model on the embedded GGUF's blocks), then "+compile" or "+layered";
+    `model`: a checkpoint instead of the embedded model."""
     layered, impl = impl.endswith("+layered"), impl.removesuffix("+layered")
     impl, compiled = impl.removesuffix("+compile"), impl.endswith("+compile")
     weights = {"model_impl": "native", "quantization": "gguf"} if impl == "gguf" else {"model_impl": impl}
+    weights |= {"model": model} if model else {}
     llm = LLM(config=EngineConfig(**weights, compile=compiled, dtype=dtype, num_threads=threads, max_num_seqs=batch,
                                   max_num_batched_tokens=2048, num_kv_blocks=batch * (context // 16 + 8)))
     if layered:
@@ -91,8 +93,9 @@ def decode_batch(impl: str, dtype: str, threads: int, batch: int, context: int) 
     return llm
 
 
-def measure(impl: str, dtype: str, threads: int, batch: int, context: int, steps: int) -> dict[str, float]:
-    llm = decode_batch(impl, dtype, threads, batch, context)
+def measure(impl: str, dtype: str, threads: int, batch: int, context: int, steps: int, model: str | None = None
+            ) -> dict[str, float]:
+    llm = decode_batch(impl, dtype, threads, batch, context, model)
     per_step: list[dict[str, float]] = []
     for _ in trange(steps, desc=f"{impl} decode steps"):
         clock = PhaseClock()
@@ -112,9 +115,9 @@ def measure(impl: str, dtype: str, threads: int, batch: int, context: int, steps
 
 @cli.command()
 def main(impls: str = "native,hf", dtype: str = "bfloat16", threads: int = 2, batch: int = 64, context: int = 200,
-         steps: int = 30):
-    results = {impl: measure(impl, dtype, threads, batch, context, steps) for impl in impls.split(",")}
-    table = Table(title=f"one decode step, batch {batch}, context ~{context}, {dtype}, {threads} threads: "
+         steps: int = 30, model: str = typer.Option("", help="a checkpoint directory (default: the embedded model)")):
+    results = {impl: measure(impl, dtype, threads, batch, context, steps, model or None) for impl in impls.split(",")}
+    table = Table(title=f"{model or 'the embedded model'}: one decode step, batch {batch}, context ~{context}, {dtype}, {threads} threads: "
                         f"median ms of {steps} steps (share of step)")
     table.add_column("phase")
     for impl in results:
