@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the fallback is imported where it runs: transformers' PreTr
 NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
           "MistralForCausalLM": LlamaForCausalLM}
 
-__all__ = ["load_model", "NATIVE", "native_unsupported", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
+__all__ = ["load_model", "NATIVE", "native_unsupported", "reference_attention_reason", "load_hf_config", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
            "embedded_gguf_path", "embedding_sizes", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
 
 
@@ -42,15 +42,34 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
     if rope_type(hf_config) not in STATIC_ROPE_TYPES:
         return f"rope type {rope_type(hf_config)}"
     layer_types = getattr(hf_config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types) or (
-            hf_config.model_type == "mistral" and getattr(hf_config, "sliding_window", None)):
+    if any(kind != "full_attention" for kind in layer_types):
         return "sliding-window attention"
-    return None
+    return reference_attention_reason(hf_config)
+
+
+SINK_MODELS = {"gpt_oss"}  # transformers' code passes their per-head sinks (s_aux) to the attention
+
+
+def reference_attention_reason(hf_config) -> str | None:
+    """What in the model's attention only the torch path computes (transformers' modeling code passes it to the
+    paged attention per layer, `engine/models/hf.py`): sliding windows, logit soft-capping; or None."""
+    text = hf_config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if layer_types:
+        windowed = "sliding_attention" in layer_types
+    else:  # Mistral's, Phi-3's: one window for every layer, unless the config turns it off
+        windowed = window is not None and getattr(text, "use_sliding_window", True)
+    capped = getattr(text, "attn_logit_softcapping", None) is not None
+    reasons = ["sliding-window attention"] * windowed + ["attention logit soft-capping"] * capped
+    return " and ".join(reasons) or None
 
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Model:
     path = resolve_model_path(config.model)
     hf_config = load_hf_config(config)
+    if hf_config.get_text_config().model_type in SINK_MODELS:
+        raise ValueError(f"{config.model}: attention sinks ({hf_config.model_type}) are not implemented by the paged attention")
     reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
     for asked, what in ((config.quantization == "gguf", "quantization gguf runs"), (config.compile, "compile runs"),
                         (config.serves_lora, "LoRA adapters (lora_modules, lora_root) run")):

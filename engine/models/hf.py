@@ -7,18 +7,22 @@ from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.attention import AttentionMetadata, ScoreShape, paged_attention
 
 ATTN_IMPLEMENTATION = "paged"
 
 
-def hf_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged_metadata=None, **_):
-    """transformers' call: query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None)."""
+def hf_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged_metadata=None,
+                       sliding_window=None, softcap=None, s_aux=None, **_):
+    """transformers' call: query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None). A
+    layer's sliding window and soft-capping shape its scores (on the torch path, which the engine then runs)."""
     if paged_metadata is None:
         raise RuntimeError("paged attention was called without paged_metadata: run the model through ModelRunner")
+    if s_aux is not None:
+        raise RuntimeError("this model's attention sinks (s_aux) are not implemented by the paged attention")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                          module.layer_idx, paged_metadata, scaling)
+                          module.layer_idx, paged_metadata, scaling, ScoreShape.of(sliding_window, softcap))
     return out.unsqueeze(0), None
 
 
