@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the fallback is imported where it runs: transformers' PreTr
 NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
           "MistralForCausalLM": LlamaForCausalLM}
 
-__all__ = ["load_model", "NATIVE", "native_unsupported", "reference_attention_reason", "load_hf_config", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
+__all__ = ["load_model", "NATIVE", "native_unsupported", "reference_attention_reason", "unimplemented_attention", "load_hf_config", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
            "embedded_gguf_path", "embedding_sizes", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
 
 
@@ -48,6 +48,20 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
 
 
 SINK_MODELS = {"gpt_oss"}  # transformers' code passes their per-head sinks (s_aux) to the attention
+LAYER_TYPES = {"full_attention", "sliding_attention"}  # what the paged attention computes (causal, maybe windowed)
+
+
+def unimplemented_attention(hf_config) -> str | None:
+    """What in the model's attention the engine cannot compute, where transformers' code would leave it to a mask
+    the engine does not build or to an argument it cannot honour; None where it can."""
+    text = hf_config.get_text_config()
+    if text.model_type in SINK_MODELS:
+        return f"attention sinks ({text.model_type}) are"
+    if unknown := sorted(set(getattr(text, "layer_types", None) or ()) - LAYER_TYPES):
+        return f"layer types {', '.join(unknown)} are"
+    if getattr(text, "use_bidirectional_attention", False):
+        return "bidirectional attention is"
+    return None
 
 
 def reference_attention_reason(hf_config) -> str | None:
@@ -68,8 +82,8 @@ def reference_attention_reason(hf_config) -> str | None:
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Model:
     path = resolve_model_path(config.model)
     hf_config = load_hf_config(config)
-    if hf_config.get_text_config().model_type in SINK_MODELS:
-        raise ValueError(f"{config.model}: attention sinks ({hf_config.model_type}) are not implemented by the paged attention")
+    if (missing := unimplemented_attention(hf_config)) is not None:
+        raise ValueError(f"{config.model}: {missing} not implemented by the engine's paged attention")
     reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
     for asked, what in ((config.quantization == "gguf", "quantization gguf runs"), (config.compile, "compile runs"),
                         (config.serves_lora, "LoRA adapters (lora_modules, lora_root) run")):

@@ -95,3 +95,17 @@ def test_a_model_with_attention_sinks_is_refused_before_its_weights_load(tmp_pat
                  num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)  # a config, no weights
     with pytest.raises(ValueError, match=r"attention sinks \(gpt_oss\) are not implemented"):
         LLM(model=str(tmp_path), num_kv_blocks=16)
+
+
+def test_attention_the_engine_does_not_compute_is_named_not_approximated():
+    """Chunked attention (Llama 4's) and bidirectional attention come from masks transformers builds, which the
+    paged attention does not read: refused, as sinks are."""
+    from transformers import Gemma3TextConfig, Qwen2Config
+
+    from engine.models import unimplemented_attention
+
+    chunked = Qwen2Config(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"])
+    assert unimplemented_attention(chunked) == "layer types chunked_attention are"
+    assert unimplemented_attention(Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True)) == \
+        "bidirectional attention is"
+    assert unimplemented_attention(Gemma3TextConfig(num_hidden_layers=2)) is None
