@@ -51,11 +51,19 @@ class StepRope:
     positions: torch.Tensor | None = None
     fused: object = None  # the C++ or Triton fused ops (LlamaForCausalLM.use_fused_ops)
 
-    def rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, heads, D] and k [T, kv_heads, D], views at the start of the merged projection qkv, rotated."""
+    @property
+    def norms_heads(self) -> bool:
+        """Whether `rotate` can RMSNorm each head first, in the same kernel (the Triton ops)."""
+        return getattr(self.fused, "norms_heads", False)
+
+    def rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_norms: tuple | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, D] and k [T, kv_heads, D], views at the start of the merged projection qkv, rotated;
+        `head_norms` (q weight, k weight, eps) only where `norms_heads`: each head normed first."""
         if self.fused is None:
             return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
-        self.fused.rotary_inplace(qkv, self.positions, self.cos, self.sin, q.shape[1] + k.shape[1], q.shape[2])
+        extra = () if head_norms is None else ((*head_norms, q.shape[1]),)
+        self.fused.rotary_inplace(qkv, self.positions, self.cos, self.sin, q.shape[1] + k.shape[1], q.shape[2], *extra)
         return q, k
 
 

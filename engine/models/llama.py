@@ -57,9 +57,13 @@ class Attention(nn.Module):
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = self.qkv_proj.split(qkv)
-        if self.q_norm is not None:
+        head_norms = None
+        if self.q_norm is not None and rope.norms_heads:  # in the rotary kernel
+            head_norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        elif self.q_norm is not None:
             self._normalise_heads(q, k)
-        q, k = rope.rotate(qkv, q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim))
+        q, k = rope.rotate(qkv, q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim),
+                           head_norms)
         out = paged_attention(q, k, v.view(tokens, self.kv_heads, self.head_dim), self.layer, meta, self.scaling)
         return self.o_proj(out.view(tokens, self.heads * self.head_dim))
 

@@ -41,9 +41,9 @@ def _add_rms_norm_kernel(x, residual, weight, normed, total, rows, hidden, eps,
 
 
 @triton.jit
-def _rotary_kernel(qkv, positions, cos, sin, tokens, stride_t, max_position,
+def _rotary_kernel(qkv, positions, cos, sin, tokens, stride_t, max_position, q_weight, k_weight, eps,
                    HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
+                   BLOCK_T: tl.constexpr, NORM: tl.constexpr, Q_HEADS: tl.constexpr):
     pairs = tl.arange(0, BLOCK_T * HEADS_PAD)  # (token, head) pairs, token-major
     token = tl.program_id(0) * BLOCK_T + pairs // HEADS_PAD
     head = pairs % HEADS_PAD
@@ -59,6 +59,16 @@ def _rotary_kernel(qkv, positions, cos, sin, tokens, stride_t, max_position,
     first = qkv + token.to(tl.int64)[:, None] * stride_t + head[:, None] * (2 * HALF) + i[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # Qwen3's per-head RMSNorm first, rounded as the torch ops round it: the norm, then its weight
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        is_q = (head < Q_HEADS)[:, None]
+        for_half = i < HALF
+        w1 = tl.where(is_q, tl.load(q_weight + i, mask=for_half, other=0.0).to(tl.float32)[None, :],
+                      tl.load(k_weight + i, mask=for_half, other=0.0).to(tl.float32)[None, :])
+        w2 = tl.where(is_q, tl.load(q_weight + HALF + i, mask=for_half, other=0.0).to(tl.float32)[None, :],
+                      tl.load(k_weight + HALF + i, mask=for_half, other=0.0).to(tl.float32)[None, :])
+        x1 = ((x1 * inv[:, None]).to(qkv.dtype.element_ty).to(tl.float32) * w1).to(qkv.dtype.element_ty).to(tl.float32)
+        x2 = ((x2 * inv[:, None]).to(qkv.dtype.element_ty).to(tl.float32) * w2).to(qkv.dtype.element_ty).to(tl.float32)
     tl.store(first, (x1 * c - x2 * s).to(qkv.dtype.element_ty), mask=mask)
     tl.store(first + HALF, (x2 * c + x1 * s).to(qkv.dtype.element_ty), mask=mask)
 
@@ -84,13 +94,15 @@ def add_rms_norm_launch(x, residual, weight, normed, total, eps: float) -> Launc
                   dict(HAS_RESIDUAL=residual is not None, ROWS=per_program, BLOCK=block))
 
 
-def rotary_launch(qkv, positions, cos, sin, rotated_heads: int, head_dim: int) -> Launch:
+def rotary_launch(qkv, positions, cos, sin, rotated_heads: int, head_dim: int, head_norms=None) -> Launch:
     tokens, half = qkv.shape[0], head_dim // 2
     heads_pad, half_pad = triton.next_power_of_2(rotated_heads), triton.next_power_of_2(half)
     per_program = max(1, ROTARY_PAIRS_PER_PROGRAM // (heads_pad * half_pad))
+    q_weight, k_weight, eps, q_heads = head_norms or (cos, cos, 0.0, 0)  # unread without NORM
     return Launch(_rotary_kernel, (triton.cdiv(tokens, per_program),),
-                  (qkv, positions, cos, sin, tokens, qkv.stride(0), cos.shape[0]),
-                  dict(HEADS=rotated_heads, HEADS_PAD=heads_pad, HALF=half, HALF_PAD=half_pad, BLOCK_T=per_program))
+                  (qkv, positions, cos, sin, tokens, qkv.stride(0), cos.shape[0], q_weight, k_weight, eps),
+                  dict(HEADS=rotated_heads, HEADS_PAD=heads_pad, HALF=half, HALF_PAD=half_pad, BLOCK_T=per_program,
+                       NORM=head_norms is not None, Q_HEADS=q_heads))
 
 
 def silu_and_mul_launch(gate_up, out) -> Launch:
@@ -114,15 +126,19 @@ class TritonFusedOps:
             add_rms_norm_launch(x, residual, weight, normed, total, eps).run()
         return normed, total
 
+    norms_heads = True  # rotary_inplace takes Qwen3's q/k norms (the C++ ops' does not)
+
     @staticmethod
     def rotary_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       rotated_heads: int, head_dim: int) -> None:
+                       rotated_heads: int, head_dim: int, head_norms: tuple | None = None) -> None:
         """Rotates the first `rotated_heads` heads of each row of qkv [T, heads_total * D] in place (q then k, halves
-        convention), at each token's position in the fp32 tables cos/sin [max_position, D / 2]."""
+        convention), at each token's position in the fp32 tables cos/sin [max_position, D / 2]. `head_norms`:
+        (q weight, k weight, eps, q heads), each head RMSNorm-ed first (Qwen3), saving 6 kernels a layer."""
         assert qkv.dim() == 2 and qkv.stride(1) == 1 and positions.shape == (qkv.shape[0],)
         assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim // 2
+        assert head_norms is None or all(w.dtype == qkv.dtype and w.shape == (head_dim,) for w in head_norms[:2])
         if qkv.shape[0]:
-            rotary_launch(qkv, positions, cos, sin, rotated_heads, head_dim).run()
+            rotary_launch(qkv, positions, cos, sin, rotated_heads, head_dim, head_norms).run()
 
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

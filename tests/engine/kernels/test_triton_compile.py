@@ -45,6 +45,8 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
         "add_rms_norm": add_rms_norm_launch(hidden, hidden, hidden[0], hidden, hidden, 1e-6),
         "rms_norm": add_rms_norm_launch(hidden, None, hidden[0], hidden, hidden, 1e-6),
         "rotary": rotary_launch(qkv, lens, table, table, (group + 1) * kv_heads, head_dim),
+        "rotary_head_norms": rotary_launch(qkv, lens, table, table, (group + 1) * kv_heads, head_dim,
+                                           (qkv[0, :head_dim], qkv[0, :head_dim], 1e-6, group * kv_heads)),
         "silu_and_mul": silu_and_mul_launch(hidden, hidden[:, : hidden.shape[1] // 2]),
         "greedy_parts": greedy_launches(hidden, lens, -1)[0],
         "greedy_merge": greedy_launches(hidden, lens, -1)[1],
@@ -86,7 +88,7 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
     fp8 = sum(len(targets) for _, _, targets in FP8_CASES) * len(FP8_KERNELS)
-    assert len(results) == len(CASES) * 12 * len(GPU_TARGETS) + fp8
+    assert len(results) == len(CASES) * 13 * len(GPU_TARGETS) + fp8
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 

@@ -60,6 +60,29 @@ def test_rotary_in_place_matches_the_torch_ops(dtype, heads, kv_heads, head_dim)
     assert torch.equal(v, untouched)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (16, 8, 128), (5, 1, 80)])
+def test_rotary_with_head_norms_is_the_norms_then_the_rotary(dtype, heads, kv_heads, head_dim):
+    """Qwen3's per-head q/k RMSNorm inside the rotary kernel: what engine/models/llama.py's torch ops give, each head
+    normed over head_dim in fp32, rounded, weighted, rounded, then rotated."""
+    tokens, max_position, eps = 9, 300, 1e-6
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=4) * 3
+    q_weight, k_weight = randn(head_dim, dtype=dtype, seed=5), randn(head_dim, dtype=dtype, seed=6)
+    positions = torch.tensor([0, 1, 5, 17, 63, 64, 128, 250, 299], device=DEVICE)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    c, s = (table[positions].to(dtype).float().unsqueeze(1) for table in (cos, sin))
+    expected = [apply_rotary((F.rms_norm(x.float().view(tokens, n, head_dim), (head_dim,), eps=eps).to(dtype) * w).float(),
+                             c, s).to(dtype) for x, n, w in ((q, heads, q_weight), (k, kv_heads, k_weight))]
+    untouched = v.clone()
+    ops.rotary_inplace(qkv, positions, cos, sin, heads + kv_heads, head_dim, (q_weight, k_weight, eps, heads))
+    ulps = 4.0 if DEVICE == "cuda" else 6.0  # three roundings to bf16, each a truncation under the interpreter (4.8 seen)
+    assert close(q.view(tokens, heads, head_dim), expected[0], ulps)
+    assert close(k.view(tokens, kv_heads, head_dim), expected[1], ulps)
+    assert torch.equal(v, untouched)
+
+
 def test_rotary_leaves_a_position_outside_the_table_alone():
     """The engine never schedules one; the kernel must not read past the tables for it."""
     qkv = randn(2, 2 * 64, dtype=torch.float32, seed=4)
