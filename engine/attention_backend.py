@@ -8,15 +8,18 @@ from engine.config import EngineConfig
 
 
 def choose_attention_backend(config: EngineConfig, device_type: str, capability: tuple[int, int] | None = None,
-                             reference_only: str | None = None) -> str:
+                             shaped_scores: str | None = None) -> str:
     """'cpp' (the fused CPU kernels, where they build; 'auto' on CPU), 'torch' (the reference path) or 'triton'
     ('auto' on CUDA; on CPU only under TRITON_INTERPRET=1, as the tests run it). `capability`: the CUDA device's;
-    `reference_only`: what in the model's attention only the torch path computes (a sliding window, soft-capping)."""
+    `shaped_scores`: what the model's attention does to its scores (a sliding window, soft-capping), which the C++
+    kernels do not compute: on CPU `auto` is then the torch path."""
     backend = config.attention_backend
-    if reference_only is not None:
-        if backend not in ("auto", "torch"):
-            raise ValueError(f"attention_backend {backend} cannot compute this model's {reference_only}; use auto or torch")
-        return "torch"
+    if shaped_scores is not None:
+        if backend == "cpp":
+            raise ValueError(f"attention_backend cpp cannot compute this model's {shaped_scores}; use auto, torch or "
+                             "triton (CUDA)")
+        if backend == "auto" and device_type != "cuda":
+            return "torch"
     if device_type == "cuda" and config.kv_cache_dtype in ("fp8", "fp8_e4m3") and capability is not None \
             and capability < (8, 9):
         raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} (e4m3) needs compute capability 8.9 or later, which "

@@ -27,7 +27,7 @@ from engine.metrics import StepMetrics
 from engine.pooler import embeddings
 from engine.model_runner import ModelRunner, StepLogits, kv_geometry
 from engine.models import (embedding_sizes, load_hf_config, load_model, load_tokenizer, model_max_len,
-                           reference_attention_reason, resolve_device, resolve_dtype)
+                           score_shaping, resolve_device, resolve_dtype)
 from engine.lora_manager import LoRAManager
 from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN, NO_ALLOWED_TOKEN
@@ -58,7 +58,7 @@ class LLMEngine:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         # refused before the weights load
         self.attention_backend = choose_attention_backend(config, self.device.type, capability,
-                                                          reference_attention_reason(load_hf_config(config)))
+                                                          score_shaping(load_hf_config(config)))
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model = load_model(config, self.device, self.dtype)
         self.loras = LoRAManager(self.model, config) if config.serves_lora else None  # before the runner reads them

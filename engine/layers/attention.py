@@ -100,11 +100,11 @@ class AttentionMetadata:
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
                shape: ScoreShape | None = None) -> torch.Tensor:
         k_cache, v_cache = self.kv_layers[layer]
-        if shape is not None and (self.triton or self.decode_kernel_set or self.prefill_kernel is not None):
-            raise RuntimeError(f"this layer's attention has {shape}, which only attention_backend torch computes")
+        if shape is not None and (self.decode_kernel_set or self.prefill_kernel is not None):
+            raise RuntimeError(f"this layer's attention has {shape}, which the C++ kernels do not compute")
         if self.triton:
             from engine.layers.triton_attention import attend_triton  # triton is imported only where it runs
-            return attend_triton(query, key, value, k_cache, v_cache, self, scaling)
+            return attend_triton(query, key, value, k_cache, v_cache, self, scaling, shape)
         return attend(query, key, value, k_cache, v_cache, self, scaling, shape)
 
     @property

@@ -11,8 +11,9 @@ from engine.kernels.triton.prefill import prefill_attention
 
 
 def attend_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, meta, scaling: float) -> torch.Tensor:
-    """query [T, heads, D], key/value [T, kv_heads, D]: decodes first, then the prefill chunks -> [T, heads, D]."""
+                  v_cache: torch.Tensor, meta, scaling: float, shape=None) -> torch.Tensor:
+    """query [T, heads, D], key/value [T, kv_heads, D]: decodes first, then the prefill chunks -> [T, heads, D].
+    `shape`: the layer's ScoreShape (a sliding window, soft-capping), if any."""
     write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
     num_decodes = 0
@@ -20,9 +21,9 @@ def attend_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
         decode = meta.decode
         num_decodes = decode.size
         decode_attention(query[:num_decodes], k_cache, v_cache, decode.block_tables, decode.context_lens, scaling,
-                         decode.num_splits, out[:num_decodes])
+                         decode.num_splits, out[:num_decodes], shape)
     if meta.prefill_batch is not None:
         chunks = meta.prefill_batch
         prefill_attention(query[num_decodes:], k_cache, v_cache, chunks.block_tables, chunks.query_starts,
-                          chunks.context_lens, chunks.max_query_len, scaling, out[num_decodes:])
+                          chunks.context_lens, chunks.max_query_len, scaling, out[num_decodes:], shape)
     return out

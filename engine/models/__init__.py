@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the fallback is imported where it runs: transformers' PreTr
 NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
           "MistralForCausalLM": LlamaForCausalLM}
 
-__all__ = ["load_model", "NATIVE", "native_unsupported", "reference_attention_reason", "unimplemented_attention", "load_hf_config", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
+__all__ = ["load_model", "NATIVE", "native_unsupported", "score_shaping", "unimplemented_attention", "load_hf_config", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
            "embedded_gguf_path", "embedding_sizes", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
 
 
@@ -44,7 +44,7 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
     layer_types = getattr(hf_config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types):
         return "sliding-window attention"
-    return reference_attention_reason(hf_config)
+    return score_shaping(hf_config)
 
 
 SINK_MODELS = {"gpt_oss"}  # transformers' code passes their per-head sinks (s_aux) to the attention
@@ -64,9 +64,10 @@ def unimplemented_attention(hf_config) -> str | None:
     return None
 
 
-def reference_attention_reason(hf_config) -> str | None:
-    """What in the model's attention only the torch path computes (transformers' modeling code passes it to the
-    paged attention per layer, `engine/models/hf.py`): sliding windows, logit soft-capping; or None."""
+def score_shaping(hf_config) -> str | None:
+    """What the model's attention does to its scores beyond the causal mask, which the torch path and the Triton
+    kernels compute and the C++ ones do not (transformers' modeling code passes it to the paged attention per
+    layer, `engine/models/hf.py`): sliding windows, logit soft-capping; or None."""
     text = hf_config.get_text_config()
     layer_types = getattr(text, "layer_types", None)
     window = getattr(text, "sliding_window", None)

@@ -10,7 +10,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
 from engine import LLM, SamplingParams
 from engine.attention_backend import choose_attention_backend
 from engine.config import EngineConfig
-from engine.models import load_hf_config, reference_attention_reason
+from engine.models import load_hf_config, score_shaping
 from tests.engine.helpers import assert_matches_hf, assert_varied
 from tests.engine.test_synthetic_models import shared_prefix_prompts, varied_prompts
 from tests.fixtures.tiny_models import random_checkpoint, synthetic_tokenizer
@@ -45,19 +45,28 @@ def checkpoints(tmp_path_factory):
             for name, (model_class, config_class, fields, _) in MODELS.items()}
 
 
-# on CUDA too (marker gpu): there `auto` gives these models the torch path instead of the Triton kernels
-DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+# (device, attention backend that `auto` picks, which cases): on CPU the torch path in every case, and the Triton
+# kernels under the interpreter where both a window and a cap cross chunks and a cached prefix; on CUDA (marker gpu)
+# the Triton kernels in every case
+def interpreted(name: str, mode: str) -> bool:
+    return name == "gemma2" and mode in ("chunked-prefill", "prefix-hits")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", list(MODELS))
-def test_windows_and_soft_caps_match_transformers_at_every_position(checkpoints, tokenizer, name, mode, device):
+CASES = [pytest.param(name, mode, device, backend, marks=[pytest.mark.gpu] if device == "cuda" else [])
+         for name in MODELS for mode in MODES
+         for device, backend in (("cpu", "torch"), ("cpu", "triton"), ("cuda", "triton"))
+         if backend != "triton" or device == "cuda" or interpreted(name, mode)]
+
+
+@pytest.mark.parametrize("name,mode,device,backend", CASES)
+def test_windows_and_soft_caps_match_transformers_at_every_position(checkpoints, tokenizer, name, mode, device,
+                                                                      backend):
     path = checkpoints[name]
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     prompts = (shared_prefix_prompts if mode == "prefix-hits" else varied_prompts)(tokenizer)
-    llm = LLM(model=path, dtype="float32", device=device, num_kv_blocks=256, **MODES[mode])
-    assert llm.engine.model.impl == "hf" and llm.engine.settings()["attention_backend"] == "torch"
+    chosen = {"attention_backend": backend} if device == "cpu" and backend == "triton" else {}  # else auto's pick
+    llm = LLM(model=path, dtype="float32", device=device, num_kv_blocks=256, **chosen, **MODES[mode])
+    assert llm.engine.model.impl == "hf" and llm.engine.settings()["attention_backend"] == backend
     outputs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0),
                            use_tqdm=False)
     assert_varied(outputs)
@@ -69,10 +78,11 @@ def test_windows_and_soft_caps_match_transformers_at_every_position(checkpoints,
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_the_engine_names_what_only_the_torch_path_computes_and_refuses_the_kernels(checkpoints, name):
+def test_the_engine_names_what_the_cpu_kernels_cannot_compute_and_refuses_them(checkpoints, name):
     path, reason = checkpoints[name], MODELS[name][3]
-    assert reference_attention_reason(load_hf_config(EngineConfig(model=path))) == reason
-    assert choose_attention_backend(EngineConfig(model=path), "cuda", (9, 0), reason) == "torch"
+    assert score_shaping(load_hf_config(EngineConfig(model=path))) == reason
+    assert choose_attention_backend(EngineConfig(model=path), "cuda", (9, 0), reason) == "triton"
+    assert choose_attention_backend(EngineConfig(model=path), "cpu", None, reason) == "torch"
     with pytest.raises(ValueError, match=f"attention_backend cpp cannot compute this model's {reason}"):
         LLM(model=path, attention_backend="cpp", num_kv_blocks=16)
 
@@ -82,10 +92,10 @@ def test_models_without_windows_keep_their_kernels(tmp_path):
     from transformers import Qwen2Config
 
     qwen = Qwen2Config(sliding_window=4096, use_sliding_window=False, num_hidden_layers=2)
-    assert reference_attention_reason(qwen) is None
-    assert reference_attention_reason(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=0,
+    assert score_shaping(qwen) is None
+    assert score_shaping(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=0,
                                                   num_hidden_layers=2)) == "sliding-window attention"
-    assert reference_attention_reason(MistralConfig(sliding_window=None)) is None
+    assert score_shaping(MistralConfig(sliding_window=None)) is None
 
 
 def test_a_model_with_attention_sinks_is_refused_before_its_weights_load(tmp_path):

@@ -45,6 +45,15 @@ def _load_kv_tile(k_cache, v_cache, block_table, position, visible, d, d_ok, hea
     return k, v
 
 
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), for scores in the kernels' log2 units with `cap` in the same units (Gemma 2's attention
+    logit soft-capping); tanh from exp2 of a non-positive argument, so it cannot overflow."""
+    y = s / cap
+    e = tl.exp2(-2.8853900817779268 * tl.abs(y))  # e^(-2|y|); a jit function reads no float globals
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(y < 0, -t, t)
+
+
 def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, LARGEST: tl.constexpr):
     """fp32 `x` rounded to the nearest value of an fp8 format with MANTISSA bits (ties to even), saturated at its
     LARGEST finite value, still in fp32: exactly representable, so the cast that follows is exact whoever does it.
@@ -70,3 +79,12 @@ def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, LARGEST: 
 # any function; compiled, it is a device function as usual. The hot kernels spell cdiv and zeros with builtins.
 load_kv_tile = _load_kv_tile if INTERPRETED else triton.jit(_load_kv_tile)
 round_to_fp8 = _round_to_fp8 if INTERPRETED else triton.jit(_round_to_fp8)
+soft_cap = _soft_cap if INTERPRETED else triton.jit(_soft_cap)
+
+
+def score_shape_args(shape, scaling: float) -> tuple[tuple, dict]:
+    """A layer's ScoreShape (engine/layers/attention.py) as the attention kernels take it: runtime (window, cap in
+    log2 units) and the constexprs that compile the masking and the cap in only where a model has them."""
+    window = 0 if shape is None or shape.window is None else shape.window
+    cap = 0.0 if shape is None or shape.softcap is None else shape.softcap * LOG2E
+    return (window, cap), dict(WINDOWED=window > 0, CAPPED=cap > 0)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import LOG2E, MIN_DOT, dot_flags, launch_options, load_kv_tile, tile_for
+from engine.kernels.triton.common import (LOG2E, MIN_DOT, dot_flags, launch_options, load_kv_tile, score_shape_args,
+                                         soft_cap, tile_for)
 from engine.kernels.triton.launch import Launch
 
 MAX_SPLITS = 16
@@ -23,18 +24,21 @@ TOKENS_PER_SPLIT = 256  # a split shorter than this costs more in the merge than
 
 @triton.jit
 def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, qk_scale,
-                   stride_qb, stride_qh, stride_ch, stride_cb, stride_co, stride_bt, stride_ob, stride_oh,
+                   stride_qb, stride_qh, stride_ch, stride_cb, stride_co, stride_bt, stride_ob, stride_oh, window, cap,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens + seq)
+    # a sliding window: the last `window` keys (the query's own among them); tiles before it are not read
+    window_start = tl.maximum(context_len - window, 0) if WINDOWED else 0
     # plain arithmetic and tl.full, not tl.cdiv and tl.zeros: see common.py's note on the interpreter
     num_tiles = (context_len + TILE - 1) // TILE
-    per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    first_tile = split * per_split
+    start_tile = window_start // TILE
+    per_split = (num_tiles - start_tile + NUM_SPLITS - 1) // NUM_SPLITS
+    first_tile = start_tile + split * per_split
     last_tile = tl.minimum(first_tile + per_split, num_tiles)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -51,10 +55,12 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, out, par
     acc = tl.full([GROUP_PAD, D_PAD], 0.0, dtype=tl.float32)
     for t in range(first_tile, last_tile):
         position = t * TILE + offsets
-        visible = position < context_len
+        visible = (position < context_len) & (position >= window_start)
         k, v = load_kv_tile(k_cache, v_cache, block_tables + seq * stride_bt, position, visible, d, d_ok,
                             kv_head.to(tl.int64) * stride_ch, stride_cb, stride_co, BLOCK_SIZE, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if CAPPED:
+            s = soft_cap(s, cap)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -104,17 +110,20 @@ def num_splits_for(batch: int, kv_heads: int, max_context: int, num_sms: int) ->
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scaling: float, num_splits: int = 1,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, shape=None) -> torch.Tensor:
     """query [B, heads, D] over k_cache/v_cache [kv_heads, num_blocks, block_size, D], block_tables [B, width],
-    context_lens [B] (the new token included, its K/V already written) -> [B, heads, D]."""
+    context_lens [B] (the new token included, its K/V already written) -> [B, heads, D]. `shape`: the layer's
+    ScoreShape (a sliding window, soft-capping), if any."""
     out = torch.empty_like(query) if out is None else out
-    for launch in decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling, num_splits, out):
+    for launch in decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling, num_splits, out,
+                                  shape=shape):
         launch.run()
     return out
 
 
 def decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling, num_splits, out,
-                    tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> list[Launch]:
+                    tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                    shape=None) -> list[Launch]:
     """The engine launches the defaults; the rest is for benchmarks/triton_attention.py's sweep (`tile`: context
     positions a loop step reads)."""
     batch, heads, head_dim = query.shape
@@ -126,12 +135,14 @@ def decode_launches(query, k_cache, v_cache, block_tables, context_lens, scaling
     if num_splits > 1:
         parts = torch.empty((batch, heads, num_splits, d_pad), dtype=torch.float32, device=query.device)
         lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
+    shape_args, shape_flags = score_shape_args(shape, scaling)
     launches = [Launch(_decode_kernel, (batch, kv_heads, num_splits), (
         query, k_cache, v_cache, block_tables, context_lens, out, parts, lse, scaling * LOG2E,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1)),
+        block_tables.stride(0), out.stride(0), out.stride(1), *shape_args),
         dict(GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-             BLOCK_SIZE=block_size, TILE=tile or tile_for(block_size), NUM_SPLITS=num_splits, **dot_flags(query.dtype)),
+             BLOCK_SIZE=block_size, TILE=tile or tile_for(block_size), NUM_SPLITS=num_splits, **dot_flags(query.dtype),
+             **shape_flags),
         launch_options(num_warps, num_stages))]
     if num_splits > 1:
         launches.append(Launch(_merge_kernel, (batch, heads), (parts, lse, out, out.stride(0), out.stride(1)),

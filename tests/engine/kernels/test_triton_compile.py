@@ -27,6 +27,7 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
     from engine.kernels.triton.nucleus import nucleus_threshold_launch
     from engine.kernels.triton.kv_write import write_kv_launch
     from engine.kernels.triton.prefill import prefill_launch
+    from engine.layers.attention import ScoreShape
 
     kv_heads, batch = 2, 3
     cache = torch.zeros(kv_heads, 4, 16, head_dim, dtype=cache_dtype or dtype)
@@ -42,6 +43,10 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
         "decode_split": split[0],
         "decode_merge": split[1],
         "prefill": prefill_launch(query, cache, cache, tables, torch.arange(batch + 1), lens, 1, 0.1, query),
+        # the transformers fallback's Gemma 2/3 and Mistral layers: a sliding window, soft-capping
+        "decode_shaped": decode_launches(query, cache, cache, tables, lens, 0.1, 1, query, shape=ScoreShape(16, 50.0))[0],
+        "prefill_shaped": prefill_launch(query, cache, cache, tables, torch.arange(batch + 1), lens, 1, 0.1, query,
+                                         shape=ScoreShape(16, 50.0)),
         "add_rms_norm": add_rms_norm_launch(hidden, hidden, hidden[0], hidden, hidden, 1e-6),
         "rms_norm": add_rms_norm_launch(hidden, None, hidden[0], hidden, hidden, 1e-6),
         "rotary": rotary_launch(qkv, lens, table, table, (group + 1) * kv_heads, head_dim),
@@ -88,7 +93,7 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
     fp8 = sum(len(targets) for _, _, targets in FP8_CASES) * len(FP8_KERNELS)
-    assert len(results) == len(CASES) * 13 * len(GPU_TARGETS) + fp8
+    assert len(results) == len(CASES) * 15 * len(GPU_TARGETS) + fp8
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 
