@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 from engine.config import EngineConfig
 from engine.cpu_kernels import fused_ops
 from engine.layers.rotary import STATIC_ROPE_TYPES, rope_type
+from engine.models.attention_support import score_shaping, unimplemented_attention
 from engine.models.llama import LlamaForCausalLM
 from engine.models.gguf import read_tensors as gguf_tensors
 from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, cpu_has_bf16, embedded_checkpoint,
@@ -28,7 +29,8 @@ if TYPE_CHECKING:  # the fallback is imported where it runs: transformers' PreTr
 NATIVE = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
           "MistralForCausalLM": LlamaForCausalLM}
 
-__all__ = ["load_model", "NATIVE", "native_unsupported", "score_shaping", "unimplemented_attention", "load_hf_config", "cache_root", "cpu_has_bf16", "embedded_checkpoint",
+__all__ = ["load_model", "NATIVE", "native_unsupported", "score_shaping", "unimplemented_attention", "load_hf_config",
+           "cache_root", "cpu_has_bf16", "embedded_checkpoint",
            "embedded_gguf_path", "embedding_sizes", "load_tokenizer", "model_max_len", "resolve_device", "resolve_dtype", "resolve_model_path"]
 
 
@@ -45,39 +47,6 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
     if any(kind != "full_attention" for kind in layer_types):
         return "sliding-window attention"
     return score_shaping(hf_config)
-
-
-SINK_MODELS = {"gpt_oss"}  # transformers' code passes their per-head sinks (s_aux) to the attention
-LAYER_TYPES = {"full_attention", "sliding_attention"}  # what the paged attention computes (causal, maybe windowed)
-
-
-def unimplemented_attention(hf_config) -> str | None:
-    """What in the model's attention the engine cannot compute, where transformers' code would leave it to a mask
-    the engine does not build or to an argument it cannot honour; None where it can."""
-    text = hf_config.get_text_config()
-    if text.model_type in SINK_MODELS:
-        return f"attention sinks ({text.model_type}) are"
-    if unknown := sorted(set(getattr(text, "layer_types", None) or ()) - LAYER_TYPES):
-        return f"layer types {', '.join(unknown)} are"
-    if getattr(text, "use_bidirectional_attention", False):
-        return "bidirectional attention is"
-    return None
-
-
-def score_shaping(hf_config) -> str | None:
-    """What the model's attention does to its scores beyond the causal mask, which the torch path and the Triton
-    kernels compute and the C++ ones do not (transformers' modeling code passes it to the paged attention per
-    layer, `engine/models/hf.py`): sliding windows, logit soft-capping; or None."""
-    text = hf_config.get_text_config()
-    layer_types = getattr(text, "layer_types", None)
-    window = getattr(text, "sliding_window", None)
-    if layer_types:
-        windowed = "sliding_attention" in layer_types
-    else:  # Mistral's, Phi-3's: one window for every layer, unless the config turns it off
-        windowed = window is not None and getattr(text, "use_sliding_window", True)
-    capped = getattr(text, "attn_logit_softcapping", None) is not None
-    reasons = ["sliding-window attention"] * windowed + ["attention logit soft-capping"] * capped
-    return " and ".join(reasons) or None
 
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Model:
