@@ -113,6 +113,30 @@ def test_chunked_prefill_matches_the_torch_path(dtype, head_dim, group, case):
     assert (got.float() - expected.float()).abs().max() < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("group", [3, 6, 7])
+def test_a_prefill_program_writes_only_its_own_tokens(group):
+    """The rows a program takes are its tile's tokens times the group, packed, with a few left over where the group
+    is not a power of two. Only the first tile's programs are launched here: every output past its tokens must be
+    as it was. A leftover row that wrote the next tile's first token would race that tile's program on a GPU; under
+    the interpreter, which runs programs in order, the full launch would hide it."""
+    from engine.kernels.triton.prefill import prefill_launch
+
+    kv_heads, head_dim, new = 2, 64, 40
+    k_cache, v_cache = pool(kv_heads, 8, head_dim, torch.float32)
+    padded, _ = block_tables([new], 8)
+    query = torch.randn(new, kv_heads * group, head_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = torch.full_like(query, float("nan"))
+    launch = prefill_launch(query, k_cache, v_cache, as_tensor(padded), as_tensor([0, new]), as_tensor([new]), new,
+                            head_dim**-0.5, out)
+    tokens = launch.constexprs["BLOCK_Q"]
+    assert tokens * group < launch.constexprs["ROWS"] and tokens < new  # rows left over, and a second tile
+    launch.grid = (launch.grid[0], 1, launch.grid[2])
+    launch.run()
+    expected = torch_reference(query, k_cache, v_cache, [(0, new)], padded, head_dim**-0.5)
+    assert (out[:tokens] - expected[:tokens]).abs().max() < TOLERANCE[torch.float32]
+    assert out[tokens:].isnan().all()
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_write_puts_each_row_in_its_slot_and_skips_padding(cache_dtype):
     kv_heads, head_dim = 3, 80

@@ -1,8 +1,11 @@
 """Every Triton kernel, as the engine launches it, compiles to a cubin for sm_80 (A100), sm_89 (L4, L40S) and sm_90
 (H100, H200) on any machine, GPU or not: a kernel that would fail to build on a GPU fails here first. The compiler
-runs in a child process without TRITON_INTERPRET, which the test session sets on machines without a GPU."""
+runs in a child process without TRITON_INTERPRET, which the test session sets on machines without a GPU. Each is
+compiled as triton's JIT would specialize it on those arguments, and the attention kernels must gather K/V from the
+pool in 16-byte asynchronous copies, as they do once the JIT knows the pool's strides divide by 16."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +19,7 @@ CASES = [("bfloat16", 128, 7), ("float16", 64, 1), ("float32", 80, 3)]
 # before that, tests/engine/test_attention_backend.py), e5m2 everywhere
 FP8_CASES = [("float8_e4m3fn", "bfloat16", ("sm_89", "sm_90")), ("float8_e5m2", "float16", tuple(GPU_TARGETS))]
 FP8_KERNELS = ("kv_write", "decode", "decode_split", "prefill")
+GATHERS = ("decode", "decode_split", "prefill", "decode_shaped", "prefill_shaped")  # read K/V through block tables
 
 
 def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.dtype | None = None) -> dict:
@@ -64,7 +68,9 @@ def compile_all(target_name: str) -> dict:
     results = {}
     for dtype, head_dim, group in CASES:
         for name, launch in launches(getattr(torch, dtype), head_dim, group).items():
-            results[f"{dtype}/hd{head_dim}/g{group}/{target_name}/{name}"] = _compile(launch, target_name)
+            # 16-bit K/V rows of a power-of-two head size: whole 16-byte pieces, so copied as such
+            vectorised = name in GATHERS and dtype != "float32" and head_dim & (head_dim - 1) == 0
+            results[f"{dtype}/hd{head_dim}/g{group}/{target_name}/{name}"] = _compile(launch, target_name, vectorised)
     for cache_dtype, dtype, targets in FP8_CASES:
         if target_name in targets:
             kernels = launches(getattr(torch, dtype), 128, 7, getattr(torch, cache_dtype))
@@ -73,11 +79,16 @@ def compile_all(target_name: str) -> dict:
     return results
 
 
-def _compile(launch, target_name: str) -> int | str:
-    """The cubin's size, or the compiler's error."""
+def _compile(launch, target_name: str, vectorised: bool = False) -> int | str:
+    """The cubin's size, or the compiler's error. `vectorised`: the PTX must copy global memory to shared in 16-byte
+    asynchronous copies (cp.async, pipelined) and load no 2-byte element on its own."""
     try:
         compiled = launch.compile_for(GPU_TARGETS[target_name])
-        assert f".target {target_name}" in compiled.asm["ptx"], "PTX for another target"
+        ptx = compiled.asm["ptx"]
+        assert f".target {target_name}" in ptx, "PTX for another target"
+        if vectorised:
+            assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx), "no 16-byte cp.async"
+            assert not re.search(r"ld\.global\.\S*b16", ptx), "2-byte global loads"
         return len(compiled.asm["cubin"])
     except Exception as error:  # reported whole, by the test below
         return f"{type(error).__name__}: {error}"
