@@ -7,6 +7,7 @@ a GPU measures it.
 
 python benchmarks/kernel_sass.py                        # prefill and decode, sm_90
 python benchmarks/kernel_sass.py --target sm_80 --out benchmarks/results/kernel-sass.json
+python benchmarks/kernel_sass.py --heads 8 --kv-heads 4 --head-dim 256    # Gemma 2/3's attention
 """
 from __future__ import annotations
 
@@ -33,22 +34,22 @@ BACK_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 TENSOR_OPS = ("HGMMA", "HMMA")
 
 
-def launches(prompt: int, batch: int) -> dict:
-    """The engine's launches of the kernels that read the paged pool, at Qwen2.5-1.5B's attention shape."""
+def launches(prompt: int, batch: int, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> dict:
+    """The engine's launches of the kernels that read the paged pool, at an attention shape (Qwen2.5-1.5B's)."""
     import torch
 
     from engine.kernels.triton.decode import decode_launches
     from engine.kernels.triton.prefill import prefill_launch
 
     blocks = -(-prompt // BLOCK_SIZE)
-    cache = torch.zeros(KV_HEADS, blocks + 1, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(kv_heads, blocks + 1, BLOCK_SIZE, head_dim, dtype=torch.bfloat16)
     tables = torch.zeros(batch, blocks, dtype=torch.long)
-    query = torch.zeros(prompt, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    query = torch.zeros(prompt, heads, head_dim, dtype=torch.bfloat16)
     one_prompt = (torch.tensor([0, prompt]), torch.tensor([prompt]))
     decode = query[:batch]
     lens = torch.full((batch,), prompt)
-    return {"prefill": prefill_launch(query, cache, cache, tables[:1], *one_prompt, prompt, HEAD_DIM**-0.5, query),
-            "decode": decode_launches(decode, cache, cache, tables, lens, HEAD_DIM**-0.5, 1, decode)[0]}
+    return {"prefill": prefill_launch(query, cache, cache, tables[:1], *one_prompt, prompt, head_dim**-0.5, query),
+            "decode": decode_launches(decode, cache, cache, tables, lens, head_dim**-0.5, 1, decode)[0]}
 
 
 def disassemble(cubin: bytes, tool: str) -> str:
@@ -98,10 +99,12 @@ def profile(launch, target: str) -> dict:
 def main(target: str = typer.Option("sm_90", help="sm_80, sm_89 or sm_90"),
          prompt: int = typer.Option(4096, help="the prefill's tokens, and the decode's context"),
          batch: int = typer.Option(256, help="the decode's sequences"),
+         heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
          out: Path | None = typer.Option(None, help="a JSON file for the profiles")):
-    profiles = {name: profile(launch, target) for name, launch in launches(prompt, batch).items()}
+    kernels = launches(prompt, batch, heads, kv_heads, head_dim)
+    profiles = {name: profile(launch, target) for name, launch in kernels.items()}
     table = Table(title=f"attention kernels compiled for {target} as triton's JIT specializes them: "
-                        f"{HEADS}/{KV_HEADS} heads of {HEAD_DIM}, bf16, blocks of {BLOCK_SIZE}")
+                        f"{heads}/{kv_heads} heads of {head_dim}, bf16, blocks of {BLOCK_SIZE}")
     for column in ("kernel", "tiling", "registers", "spills", "instructions", "global loads",
                    "loops: instructions (tensor ops)"):
         table.add_column(column)
@@ -111,7 +114,8 @@ def main(target: str = typer.Option("sm_90", help="sm_80, sm_89 or sm_90"),
                       ", ".join(f"{loop['instructions']} ({loop['tensor_ops']})" for loop in p["loops"]))
     Console(width=200).print(table)
     if out is not None:
-        out.write_text(json.dumps({"target": target, "prompt": prompt, "batch": batch, "kernels": profiles}, indent=2))
+        out.write_text(json.dumps({"target": target, "prompt": prompt, "batch": batch, "heads": heads,
+                                   "kv_heads": kv_heads, "head_dim": head_dim, "kernels": profiles}, indent=2))
 
 
 if __name__ == "__main__":
