@@ -41,4 +41,3 @@ class Launch:
         options, signature, constexprs, attrs = fn._pack_args(backend, dict(self.options), bound, specialization,
                                                               options)
         return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-
