@@ -44,13 +44,13 @@ def random_blocks(kind: str, out: int, inp: int) -> BlockWeight:
 
 
 def layer_calls(kind: str, layers: int):
-    """(block call, dense call, in_features) for each layer's four linears."""
+    """(blocks packed, dense weight for oneDNN, in_features, the blocks) for each layer's four linears."""
     for _ in range(layers):
         for out, inp in SHAPES:
             weight = random_blocks(kind, out, inp)
             packed = weight.pack()  # interleaved where this CPU reads them so (the test skips elsewhere)
             dense = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(), 64)
-            yield packed, dense, inp
+            yield packed, dense, inp, weight
 
 
 def block_call(module, packed):
@@ -59,15 +59,27 @@ def block_call(module, packed):
     return lambda x: module.q8_matmul(x, packed.codes, packed.scales)
 
 
-def check_outputs(variants: dict, builds: list[str], x_by_in: dict) -> None:
-    """Every build gives the first's numbers bit for bit, and the dense matmul's within the activations' 16-bit
-    rounding (one layer's four linears)."""
+def rounding_bound(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:
+    """How far x W^T may move when the kernel rounds x to int16 codes per 32-element block (a step of the block's
+    largest magnitude / 32767, so at most half a step an element), plus fp32's summation order."""
+    w = weight.dequantize().abs()
+    blocks = x.abs().view(x.shape[0], -1, BLOCK)
+    half_step = (blocks.amax(-1, keepdim=True) / 32767 / 2).expand_as(blocks).reshape(x.shape)
+    return half_step @ w.T + 1e-5 * (x.abs() @ w.T) + 1e-6
+
+
+def check_outputs(variants: dict, builds: list[str], x_by_in: dict, weights: list[BlockWeight]) -> None:
+    """Every build gives the first's numbers bit for bit, and the dense matmul's within what rounding the activations
+    to 16 bits allows (one layer's four linears). A fixed tolerance (1e-3) failed ~1 linear in 100 on random data: the error
+    grows with the rows' blocks, not with the output."""
     dense = variants["dense fp32 (oneDNN)"][:4]
     for key in builds:
-        for (call, inp), (ref, _), (exact, _) in zip(variants[key][:4], variants[builds[0]][:4], dense):
-            y = call(x_by_in[inp])
-            assert torch.equal(y, ref(x_by_in[inp])), f"{key} differs from {builds[0]}"
-            torch.testing.assert_close(y, exact(x_by_in[inp]), rtol=1e-3, atol=1e-3, msg=f"{key} is not the matmul")
+        for (call, inp), (ref, _), (exact, _), weight in zip(variants[key][:4], variants[builds[0]][:4], dense, weights):
+            x = x_by_in[inp]
+            y = call(x)
+            assert torch.equal(y, ref(x)), f"{key} differs from {builds[0]}"
+            excess = ((y - exact(x)).abs() - rounding_bound(weight, x)).max().item()
+            assert excess <= 0, f"{key} is not the matmul: {excess:.3g} past the rounding's bound"
 
 
 def sweep_ms(calls, x_by_in) -> float:
@@ -87,12 +99,12 @@ def main(isas: str = "native", other: str = "", threads: int = 2, rows: str = "1
     with torch.inference_mode():
         for kind in kinds.split(","):
             linears = list(tqdm(layer_calls(kind, layers), total=layers * len(SHAPES), desc=f"{kind} weights"))
-            variants = {key: [(block_call(m, p), inp) for p, _, inp in linears] for key, m in modules.items()}
+            variants = {key: [(block_call(m, p), inp) for p, _, inp, _ in linears] for key, m in modules.items()}
             variants["dense fp32 (oneDNN)"] = [
-                (lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), inp) for _, w, inp in linears]
+                (lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), inp) for _, w, inp, _ in linears]
             for m in tqdm(list(map(int, rows.split(","))), desc=f"{kind} rows"):
-                x_by_in = {i: torch.randn(m, i) for i in {inp for _, _, inp in linears}}
-                check_outputs(variants, list(modules), x_by_in)
+                x_by_in = {i: torch.randn(m, i) for i in {inp for _, _, inp, _ in linears}}
+                check_outputs(variants, list(modules), x_by_in, [w for *_, w in linears[:4]])
                 timers = {key: lambda calls=calls: sweep_ms(calls, x_by_in) for key, calls in variants.items()}
                 medians = alternated_medians(timers, rounds, warm=2)
                 results += [dict(kind=kind, rows=m, variant=key, ms=ms) for key, ms in medians.items()]
