@@ -3,11 +3,12 @@ output, so every generated position is checked against HF given exactly the same
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.cpu_kernels import ISA_VARIANTS
+from engine.cpu_kernels import ISA_VARIANTS, build_kernels
 from engine.models import resolve_model_path
 
 
@@ -17,6 +18,19 @@ def isa_flags(isa: str) -> tuple[str, ...]:
     if isa == "native" or (isa == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2"):
         return ()
     return ISA_VARIANTS[isa]
+
+
+def kernels_for(isa: str):
+    """The C++ kernels built for "native" or an ISA_VARIANTS key. The first variant asked for builds them all at once:
+    a build is one compiler process (about 35 s cold), so on two cores both variants take the time of one."""
+    return build_kernels() if not isa_flags(isa) else _variants()[isa]
+
+
+@functools.cache
+def _variants() -> dict:
+    isas = [isa for isa in ISA_VARIANTS if isa_flags(isa)]
+    with ThreadPoolExecutor(len(isas)) as pool:
+        return dict(zip(isas, pool.map(lambda isa: build_kernels(ISA_VARIANTS[isa]), isas)))
 
 
 NEAR_TIE = 1e-3  # the engine may pick another token only where HF's top two are this close (logprob)

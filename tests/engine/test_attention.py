@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.layers.attention import DecodeBatch, _decode_torch
-from tests.engine.helpers import isa_flags
+from tests.engine.helpers import kernels_for
 
 HEADS, KV_HEADS, BLOCK = 9, 3, 16
 
@@ -62,7 +62,7 @@ def test_decode_over_an_fp8_pool_equals_decode_over_its_widened_values(isa, cach
     subnormals (1e-3) to e4m3's largest, over one part and several (600 keys)."""
     if not cpu_kernels.have_compiler():
         pytest.skip("no C++ compiler on this machine")
-    op = cpu_kernels.build_kernels(isa_flags(isa)).paged_decode
+    op = kernels_for(isa).paged_decode
     g = torch.Generator().manual_seed(head_dim)
     spread = torch.logspace(-3, 2.6, 64 * BLOCK).view(1, 64, BLOCK, 1)  # every magnitude, scattered over the blocks
     k8, v8 = ((torch.randn(KV_HEADS, 64, BLOCK, head_dim, generator=g) * spread).to(cache_dtype) for _ in range(2))

@@ -8,7 +8,7 @@ import torch
 from engine import SamplingParams
 from engine.cpu_kernels import build_kernels
 from engine.sampler import INVALID_TOKEN, Sampler, _marked_invalid, greedy_and_finite
-from tests.engine.helpers import ISA_VARIANTS, isa_flags, logits_with_edge_rows
+from tests.engine.helpers import ISA_VARIANTS, kernels_for, logits_with_edge_rows
 
 
 def torch_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def test_greedy_kernel_gives_the_torch_ops_tokens(isa, dtype, rows, vocab):
     logits = logits_with_edge_rows(rows, vocab, dtype)
     lanes = [5, 5 + 16] if vocab > 21 else [5 % vocab, vocab - 1]  # one lane of two vectors, or vector and tail
     logits[0, lanes] = 50.0  # the first of them
-    got = build_kernels(isa_flags(isa)).greedy_or_invalid_cpu(logits, INVALID_TOKEN)
+    got = kernels_for(isa).greedy_or_invalid_cpu(logits, INVALID_TOKEN)
     assert got.dtype == torch.long and torch.equal(got, torch_greedy(logits))
     assert got[0] == lanes[0]
     assert got[-8:].tolist()[:4] == [3, 7, vocab - 1, 0] and got[-4:].tolist() == [INVALID_TOKEN] * 4
@@ -35,7 +35,7 @@ def test_greedy_kernel_takes_the_first_of_rows_at_the_lowest_value_and_of_signed
     zeros = torch.full((3, 70), -1.0, dtype=dtype)
     zeros[0, [9, 40]], zeros[1, [9, 40]], zeros[2, [9, 66]] = -0.0, torch.tensor([0.0, -0.0], dtype=dtype), 0.0
     logits = torch.cat([lowest, zeros])
-    got = build_kernels(isa_flags(isa)).greedy_or_invalid_cpu(logits, INVALID_TOKEN)
+    got = kernels_for(isa).greedy_or_invalid_cpu(logits, INVALID_TOKEN)
     assert got.tolist() == [0, 0, 9, 9, 9] == torch_greedy(logits).tolist()
 
 

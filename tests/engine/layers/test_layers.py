@@ -13,7 +13,7 @@ from engine.layers.activation import silu_and_mul
 from engine.layers.linear import Linear, MergedLinear, can_pack
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from tests.engine.helpers import isa_flags
+from tests.engine.helpers import kernels_for
 
 FUSED = [pytest.param(False, id="torch-ops"), pytest.param(True, id="fused-cpu-ops")]
 
@@ -127,7 +127,7 @@ def test_fused_kv_write_to_an_fp8_pool_stores_torchs_saturated_cast(isa, cache_d
     """kv_cache_dtype fp8: the bytes of torch's cast (round to nearest even, saturated at the format's largest
     value) from subnormals (1e-9) to past the range, -0.0 kept; rows of 88 values take the AVX-512 path (fp32 and
     bf16) and its scalar tail, and the portable build (`-mno-avx512f`) the scalar one."""
-    kernels = cpu_kernels.build_kernels(isa_flags(isa))
+    kernels = kernels_for(isa)
     g = torch.Generator().manual_seed(1)
     tokens, kv_heads, head_dim = 40, 2, 88
     scale = torch.logspace(-9, 5.2, tokens)[:, None, None]

@@ -2,7 +2,6 @@
 block type against the `gguf` library's own dequantizer), refused by name where unsupported, and the block kernels
 against the dequantized fp32 matmul. Greedy output on the blocks is in tests/engine/test_gguf_generation.py."""
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import gguf
 import numpy as np
@@ -16,7 +15,7 @@ from engine.layers.quantized import BlockWeight, block_matmul
 from engine.models.cache_files import umask
 from engine.models import checkpoint_tensors, embedded_checkpoint, embedded_gguf_path
 from engine.models.gguf import read_tensors
-from tests.engine.helpers import ISA_VARIANTS, isa_flags
+from tests.engine.helpers import ISA_VARIANTS, isa_flags, kernels_for
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]):
@@ -156,10 +155,7 @@ BUILT_ELSEWHERE = [isa for isa in ISA_VARIANTS if isa_flags(isa)]
 
 @pytest.fixture(scope="module")
 def isa_variants() -> dict:
-    """Every variant built at once: a build is one compiler process (about 35 s), so on two cores both take the time
-    of one."""
-    with ThreadPoolExecutor(len(BUILT_ELSEWHERE)) as pool:
-        return dict(zip(BUILT_ELSEWHERE, pool.map(lambda isa: build_block_matmul(ISA_VARIANTS[isa]), BUILT_ELSEWHERE)))
+    return {isa: kernels_for(isa) for isa in BUILT_ELSEWHERE}
 
 
 @pytest.mark.slow
