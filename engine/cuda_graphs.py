@@ -2,6 +2,11 @@
 bucket, captured at start-up over persistent input buffers, so a decode step is a handful of copies and one launch
 instead of about 40 kernel launches a layer from Python.
 
+A graph holds the decoder up to its final norm; the LM head runs after the replay, eagerly, on the step's own rows,
+as both of those runners compute logits outside the graph. Every graph's output stays allocated for its lifetime: as
+logits, the 20 buckets up to 256 rows held 2,191 rows of the vocabulary (~635 of the 672 MiB the first H100 run's
+graphs took, for a 152k vocabulary in bf16); as hidden states they hold 2,191 rows of the model's width (~6.7 MB).
+
 A step of n sequences runs the smallest bucket b >= n; rows n..b are padding: slot -1 (the KV write skips it) and a
 one-token context (the attention reads one valid slot and its output is discarded). The attention's split count is
 fixed per bucket at capture (sized for the longest context the engine admits); each sequence's part size is worked
@@ -47,7 +52,7 @@ class DecodeGraphs:
             self.block_tables[:b], self.context_lens[:b], block_size, None, num_splits(b)), [], None, kv_cache,
             triton=True) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # each graph's output: the final norm's [b, hidden]
         self.memory_bytes = 0
         if capture:
             self._capture()
@@ -69,7 +74,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
+                self.hidden[b] = self._forward(b)
             pool = graph.pool() if pool is None else pool
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
@@ -78,11 +83,10 @@ class DecodeGraphs:
                  self.memory_bytes / 1e6)
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.input_ids[:b], self.positions[:b], self.meta[b], self.sample_indices[:b])
+        return self.model.model(self.input_ids[:b], self.positions[:b], self.meta[b])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A decode-only step of n <= max_batch sequences -> logits [n, vocab] (a view of the graph's output: valid
-        until the next step)."""
+        """A decode-only step of n <= max_batch sequences -> logits [n, vocab]."""
         decode = meta.decode
         n, width = decode.size, decode.block_tables.shape[1]
         b = self.bucket(n)
@@ -95,5 +99,7 @@ class DecodeGraphs:
         self.context_lens[n:b].fill_(1)
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.logits[b][:n]
-        return self._forward(b)[:n]
+            hidden = self.hidden[b]
+        else:
+            hidden = self._forward(b)
+        return self.model.lm_head(hidden, self.sample_indices[:n])
