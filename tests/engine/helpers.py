@@ -20,6 +20,10 @@ def isa_flags(isa: str) -> tuple[str, ...]:
     return ISA_VARIANTS[isa]
 
 
+# the variants whose code differs from the native build (none of AVX2's where the CPU's best is AVX2)
+BUILT_ELSEWHERE = [isa for isa in ISA_VARIANTS if isa_flags(isa)]
+
+
 def kernels_for(isa: str):
     """The C++ kernels built for "native" or an ISA_VARIANTS key. The first variant asked for builds them all at once:
     a build is one compiler process (about 35 s cold), so on two cores both variants take the time of one."""
@@ -28,9 +32,8 @@ def kernels_for(isa: str):
 
 @functools.cache
 def _variants() -> dict:
-    isas = [isa for isa in ISA_VARIANTS if isa_flags(isa)]
-    with ThreadPoolExecutor(len(isas)) as pool:
-        return dict(zip(isas, pool.map(lambda isa: build_kernels(ISA_VARIANTS[isa]), isas)))
+    with ThreadPoolExecutor(len(BUILT_ELSEWHERE)) as pool:
+        return dict(zip(BUILT_ELSEWHERE, pool.map(lambda isa: build_kernels(ISA_VARIANTS[isa]), BUILT_ELSEWHERE)))
 
 
 NEAR_TIE = 1e-3  # the engine may pick another token only where HF's top two are this close (logprob)

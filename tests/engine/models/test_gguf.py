@@ -15,7 +15,7 @@ from engine.layers.quantized import BlockWeight, block_matmul
 from engine.models.cache_files import umask
 from engine.models import checkpoint_tensors, embedded_checkpoint, embedded_gguf_path
 from engine.models.gguf import read_tensors
-from tests.engine.helpers import ISA_VARIANTS, isa_flags, kernels_for
+from tests.engine.helpers import BUILT_ELSEWHERE, kernels_for
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]):
@@ -147,10 +147,6 @@ def test_blocks_are_packed_in_the_layout_this_cpu_reads(kind):
     off_fp16 = BlockWeight(kind, blocks.codes, blocks.scales + 1e-6, blocks.mins)
     assert off_fp16.pack().codes.dim() == 2
     assert random_blocks(kind, 40, 64, seed=0).pack().codes.dim() == 2
-
-
-# the variants whose code differs from the native build tested above (isa_flags: none where the CPU's best is AVX2)
-BUILT_ELSEWHERE = [isa for isa in ISA_VARIANTS if isa_flags(isa)]
 
 
 @pytest.fixture(scope="module")
