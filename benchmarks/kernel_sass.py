@@ -92,7 +92,7 @@ def profile(launch, target: str) -> dict:
     return {"registers": resource["reg"], "stack": resource["stack"],
             "spill_instructions": sum(n for op, n in ops.items() if op.startswith(("LDL", "STL"))),
             "instructions": sum(ops.values()), "global_loads": loads, "loops": loops(sass),
-            "tiling": {k: v for k, v in launch.constexprs.items() if k in ("ROWS", "BLOCK_Q", "GROUP_PAD", "TILE")}}
+            "tiling": {k: v for k, v in launch.constexprs.items() if k in ("ROWS", "BLOCK_Q", "TILE")}}
 
 
 @cli.command()
