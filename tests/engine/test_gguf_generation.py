@@ -6,6 +6,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.cpu_kernels import build_kernels
 from engine.layers.linear import Linear
+from engine.models import llama
 from tests.engine.helpers import assert_matches_hf, assert_varied, count_native_steps, load_hf_model
 from tests.engine.test_parity import varied_prompts
 
@@ -65,9 +66,11 @@ def test_decode_steps_in_one_native_call_give_the_layer_by_layer_numbers(llm32, 
     """`engine/csrc/decoder_cpu.cpp` runs the same kernels in the same order as the Python layers: the same tokens
     and the same logprobs, bit for bit, at 1 to 4 rows a step (prefill steps stay layer by layer)."""
     assert llm32.engine.model.model.native_weights is None  # dense weights: no blocks
+    # blocks up to 4 rows, not the crossover timed at load: a busy machine can put it at 0, and timing bf16's dense
+    # matmuls on an AVX2 CPU took 28 s of this test
+    monkeypatch.setattr(llama, "kept_crossover_rows", lambda linears, dtype, cache: 4)
     llm = LLM(dtype=dtype, quantization="gguf", num_kv_blocks=256, enable_prefix_caching=False)  # same prefill shapes twice
-    for module in block_linears(llm):
-        module.block_rows = 4  # not the crossover measured at load, which a busy machine can put at 0
+    assert {module.block_rows for module in block_linears(llm)} == {4}
     inner = llm.engine.model.model
     assert inner.native_weights is not None
     assert inner.one_region == bool(build_kernels().interleaved_rows())  # AVX-512 and AVX2 builds: in one OpenMP region
