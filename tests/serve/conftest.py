@@ -26,8 +26,8 @@ def serve_app():
     # Ray Serve's HAProxy mode, as `make serve`; LLM_TEST_PYTHON_PROXY=1: the same tests behind Serve's Python proxy
     setdefault_ray_env(throughput=os.environ.get("LLM_TEST_PYTHON_PROXY") != "1")
     # behind HAProxy an app's deletion keeps its ingress reachable this long for load balancers to deregister it
-    # (Serve's default 30 s); HAProxy here reloads within a second, and each deleted app cost a test 30 s
-    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "3")
+    # (Serve's default 30 s); HAProxy here reloads within a second, and at 3 s each of the suite's ~10 deletions took 4 s
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     # replicas push autoscaling metrics every second instead of 10, so the autoscaling test sees its load in time
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     header_timeout_s = 2.0  # Serve's proxy reads it when it starts (serve_app/header_deadline.py)
