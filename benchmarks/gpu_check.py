@@ -135,8 +135,8 @@ def run_tests(args: list[str], log: Log, out: Path, timeout_s: float) -> dict:
     spread = ["-n", str(workers)] if importlib.util.find_spec("xdist") and workers > 1 else []
     started = time.perf_counter()
     with (out / "pytest.log").open("w") as sink:
-        try:
-            code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=15", *spread, *args],
+        try:  # -v: each outcome is logged as it comes, so a run cut off by the budget still names what failed
+            code = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", *spread, *args],
                                   cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             code = f"timeout after {timeout_s:.0f} s"
