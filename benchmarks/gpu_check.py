@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -135,10 +136,16 @@ def run_tests(args: list[str], log: Log, out: Path, timeout_s: float) -> dict:
     spread = ["-n", str(workers)] if importlib.util.find_spec("xdist") and workers > 1 else []
     started = time.perf_counter()
     with (out / "pytest.log").open("w") as sink:
-        try:  # -v: each outcome is logged as it comes, so a run cut off by the budget still names what failed
-            code = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", *spread, *args],
-                                  cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        # -v: each outcome is logged as it comes, so a run cut off by the budget still names what failed. Its own
+        # session, so that a timeout kills xdist's workers too, not pytest's main process alone: they would hold the
+        # GPU through the stages after
+        tests = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", *spread, *args],
+                                 cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = tests.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(tests.pid, signal.SIGKILL)
+            tests.wait()
             code = f"timeout after {timeout_s:.0f} s"
     tail = (out / "pytest.log").read_text().strip().splitlines()[-1:] or [""]
     log(f"pytest {' '.join(spread + args)}: exit {code}, {tail[0]}")

@@ -126,3 +126,24 @@ def test_a_failed_stage_is_reported_and_the_check_goes_on(tmp_path):
     assert gpu_check._stage(log, "tests", lambda: ["one check failed"]) == ["one check failed"]
     assert gpu_check._stage(log, "sweep", lambda: None) == []
     assert "measurements failed:\nTraceback" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_tests_cut_off_by_the_budget_take_their_child_processes_with_them(tmp_path):
+    """A timeout kills pytest's whole process tree (xdist's workers on a GPU), and the log names each outcome so far."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    child_pid = tmp_path / "child.pid"
+    (tmp_path / "test_stuck.py").write_text(
+        "import subprocess, time\n"
+        "def test_passes():\n    pass\n"
+        "def test_stuck():\n"
+        f"    child = subprocess.Popen(['sleep', '300'])\n    open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+        "    time.sleep(300)\n")
+    result = gpu_check.run_tests([str(tmp_path / "test_stuck.py"), "-p", "no:cacheprovider"],
+                                 gpu_check.Log(tmp_path / "gpu_check.log"), tmp_path, timeout_s=8)
+    assert result["exit"] == "timeout after 8 s", result
+    assert "test_passes PASSED" in (tmp_path / "pytest.log").read_text()
+    pid = int(child_pid.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], \
+        "the test's child outlived the timeout"
