@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.gpu_wheels import DEVICE_COPY_LIMIT, WHEEL_RECORD, WHEELS_BUDGET, misfit, tree_bytes
 from benchmarks.gpu_wheels import main as gpu_wheels
+from tests.processes import alive
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,12 +111,18 @@ def test_the_attention_kernel_benchmark_runs_on_cpu(tmp_path):
     assert all(r["us"] > 0 and r["matches_default"] for r in tilings), tilings
 
 
-def test_a_failed_stage_is_reported_and_the_check_goes_on(tmp_path):
-    """A stage that raises (a CUDA error part way through the measurements) becomes one failure, its traceback in the
-    log; the stages after it still run."""
+def gpu_check_module():
+    """benchmarks/gpu_check.py, a script, imported as a module."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
 
+    return gpu_check
+
+
+def test_a_failed_stage_is_reported_and_the_check_goes_on(tmp_path):
+    """A stage that raises (a CUDA error part way through the measurements) becomes one failure, its traceback in the
+    log; the stages after it still run."""
+    gpu_check = gpu_check_module()
     log = gpu_check.Log(tmp_path / "gpu_check.log")
 
     def broken():
@@ -130,9 +137,7 @@ def test_a_failed_stage_is_reported_and_the_check_goes_on(tmp_path):
 
 def test_tests_cut_off_by_the_budget_take_their_child_processes_with_them(tmp_path):
     """A timeout kills pytest's whole process tree (xdist's workers on a GPU), and the log names each outcome so far."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_check
-
+    gpu_check = gpu_check_module()
     child_pid = tmp_path / "child.pid"
     (tmp_path / "test_stuck.py").write_text(
         "import subprocess, time\n"
@@ -144,6 +149,4 @@ def test_tests_cut_off_by_the_budget_take_their_child_processes_with_them(tmp_pa
                                  gpu_check.Log(tmp_path / "gpu_check.log"), tmp_path, timeout_s=8)
     assert result["exit"] == "timeout after 8 s", result
     assert "test_passes PASSED" in (tmp_path / "pytest.log").read_text()
-    pid = int(child_pid.read_text())
-    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], \
-        "the test's child outlived the timeout"
+    assert not alive(int(child_pid.read_text())), "the test's child outlived the timeout"

@@ -21,6 +21,7 @@ from engine.core_process import SHARE_WITH_OTHERS_MAX_TOKENS, CoreLoop
 from engine.host_memory import HEAP_ON_HUGE_PAGES
 from engine.metrics import PrometheusSink, StepMetrics
 from tests.engine.test_cpu_contention import busy_processes
+from tests.processes import alive
 
 pytestmark = pytest.mark.slow
 in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the async tests share the module's engine and loop
@@ -31,13 +32,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 def children_of(pid: int) -> set[int]:
     tasks = Path(f"/proc/{pid}/task")
     return {int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
