@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -135,11 +136,16 @@ def run_tests(args: list[str], log: Log, out: Path, timeout_s: float) -> dict:
     workers = min(8, (os.cpu_count() or 1) // 2)
     spread = ["-n", str(workers)] if importlib.util.find_spec("xdist") and workers > 1 else []
     started = time.perf_counter()
+    failures = out / "failures.log"
+    failures.unlink(missing_ok=True)
     with (out / "pytest.log").open("w") as sink:
         # -v: each outcome is logged as it comes, so a run cut off by the budget still names what failed. Its own
         # session, so that a timeout kills xdist's workers too, not pytest's main process alone: they would hold the
         # GPU through the stages after
-        tests = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", *spread, *args],
+        # benchmarks/failure_log.py: each failure's traceback in failures.log as it comes, the summary being the
+        # first thing a cut-off run loses
+        tests = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", *spread,
+                                  "-p", "benchmarks.failure_log", f"--failure-log={out / 'failures.log'}", *args],
                                  cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = tests.wait(timeout=timeout_s)
@@ -148,8 +154,10 @@ def run_tests(args: list[str], log: Log, out: Path, timeout_s: float) -> dict:
             tests.wait()
             code = f"timeout after {timeout_s:.0f} s"
     tail = (out / "pytest.log").read_text().strip().splitlines()[-1:] or [""]
-    log(f"pytest {' '.join(spread + args)}: exit {code}, {tail[0]}")
-    return {"args": spread + args, "exit": code, "summary": tail[0], "seconds": round(time.perf_counter() - started, 1)}
+    failed = re.findall(r"^=== (\S+)", failures.read_text(), re.M) if failures.exists() else []
+    log(f"pytest {' '.join(spread + args)}: exit {code}, {tail[0]}" + (f"; failed: {failed}" if failed else ""))
+    return {"args": spread + args, "exit": code, "summary": tail[0], "failed": failed,
+            "seconds": round(time.perf_counter() - started, 1)}
 
 
 def build_model(device: str, sizes: Sizes, dtype, out: Path) -> str:

@@ -136,12 +136,14 @@ def test_a_failed_stage_is_reported_and_the_check_goes_on(tmp_path):
 
 
 def test_tests_cut_off_by_the_budget_take_their_child_processes_with_them(tmp_path):
-    """A timeout kills pytest's whole process tree (xdist's workers on a GPU), and the log names each outcome so far."""
+    """A timeout kills pytest's whole process tree (xdist's workers on a GPU); the log names each outcome so far, and
+    failures.log holds each failure's traceback."""
     gpu_check = gpu_check_module()
     child_pid = tmp_path / "child.pid"
     (tmp_path / "test_stuck.py").write_text(
         "import subprocess, time\n"
         "def test_passes():\n    pass\n"
+        "def test_fails():\n    assert 1 == 2, 'the cause'\n"
         "def test_stuck():\n"
         f"    child = subprocess.Popen(['sleep', '300'])\n    open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
         "    time.sleep(300)\n")
@@ -149,4 +151,6 @@ def test_tests_cut_off_by_the_budget_take_their_child_processes_with_them(tmp_pa
                                  gpu_check.Log(tmp_path / "gpu_check.log"), tmp_path, timeout_s=8)
     assert result["exit"] == "timeout after 8 s", result
     assert "test_passes PASSED" in (tmp_path / "pytest.log").read_text()
+    assert result["failed"] == ["test_stuck.py::test_fails"], result  # its traceback kept, though no summary came
+    assert "AssertionError: the cause" in (tmp_path / "failures.log").read_text()
     assert not alive(int(child_pid.read_text())), "the test's child outlived the timeout"
