@@ -350,7 +350,7 @@ class LLMEngine:
         if step.pooled_seqs:
             outputs += self._finish_pooled(step, now)
         for seq, start, kept, seq_drafts in emitted:
-            outputs.append(self._append_tokens(seq, tokens[start:kept], logprobs[start:kept], now))
+            outputs.append(self._append_tokens(seq, tokens, logprobs, start, kept, now))
             if seq_drafts:
                 self.speculator.verified(seq, seq_drafts, kept - start - 1)
                 self.scheduler.release_rejected(seq)
@@ -376,14 +376,16 @@ class LLMEngine:
             outputs.append(core_output(seq))
         return outputs
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> CoreOutput:
-        """Append a step's tokens (more than one where drafts were accepted) until one finishes the sequence."""
-        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
-            if i:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, start: int, end: int,
+                       now: float) -> CoreOutput:
+        """Append the step's tokens [start, end) (more than one where drafts were accepted) until one finishes the
+        sequence. Indexes, not slices zipped: at batch 256 the slices, zip and enumerate were ~0.15 ms a step."""
+        for i in range(start, end):
+            if i > start:
                 self.scheduler.accept_draft(seq)  # the draft fed at the previous token's position was this token
             self.counters["generation_tokens"] += 1
             try:
-                self._append_token(seq, token, logprob, now)
+                self._append_token(seq, tokens[i], logprobs[i], now)
             except EngineInputError as exc:  # the request's own constraint failed it: a warning, not a traceback
                 log.warning("request %s failed: %s", seq.request_id, exc)
                 if seq.params.structured_output is not None:

@@ -32,6 +32,7 @@ class RequestProgress:
     embedding: bytes | None = None  # an embedding request's result (engine/pooler.py)
     # params.draws_from_logits_alone, once: async scheduling asks it of every row every step (0.2 ms at batch 256)
     draws_from_logits_alone: bool = False
+    greedy: bool = False  # params.greedy, once: a step of rows that fly (async scheduling), all greedy, is an argmax
 
 
 def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
@@ -47,6 +48,7 @@ def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
         prompt_logprobs=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
         prompt_ranks=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
         draws_from_logits_alone=params.draws_from_logits_alone,
+        greedy=params.greedy,
     )
 
 

@@ -120,7 +120,7 @@ class Sampler:
         if len(worked) == n:
             return self._work(logits, params, generators, output_token_ids, prompt_token_ids, banned_token_ids,
                               grammar, draft_token_ids, allowed_token_ids)
-        tokens, logprobs = self._greedy(logits).tolist(), [None] * n  # no float copy of the logits
+        tokens, logprobs = self.greedy(logits).tolist(), [None] * n  # no float copy of the logits
         if worked:
             pick = lambda values: [values[i] for i in worked] if values is not None else None  # noqa: E731
             rows = torch.tensor(worked, device=logits.device)
@@ -193,12 +193,13 @@ class Sampler:
         penalties), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for a CUDA
         device (async scheduling). The same tokens as `__call__` gives them."""
         if all(_plain_greedy(p) for p in params):
-            return self._greedy(logits)
+            return self.greedy(logits)
         finite = finite_rows(logits)  # every entry finite: no mask here leaves a row without a candidate
         logits = logits.to(torch.float32, copy=True)
         return _marked_invalid(*self._sample(logits, params, generators, finite))
 
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax, or INVALID_TOKEN where the row is not finite, left on the device."""
         if self.cpu_greedy is not None and logits.device.type == "cpu" and logits.stride(-1) == 1:
             return self.cpu_greedy(logits, INVALID_TOKEN)
         return greedy_or_invalid(logits)

@@ -44,8 +44,11 @@ class StepSampler:
     def on_device(self, step: StepLogits) -> torch.Tensor:
         """One token per sequence of a step whose rows need no host work around the draw (async scheduling), left
         on the device."""
-        return self.sampler.tokens_on_device(step.logits, [seq.params for seq in step.seqs],
-                                             [seq.runtime.generator for seq in step.seqs])
+        seqs = step.seqs
+        if all(seq.runtime.greedy for seq in seqs):  # the usual async step: no per-row lists to build
+            return self.sampler.greedy(step.logits)
+        return self.sampler.tokens_on_device(step.logits, [seq.params for seq in seqs],
+                                             [seq.runtime.generator for seq in seqs])
 
     def banned(self, seq: Sequence) -> tuple[int, ...] | set[int]:
         """The tokens `seq` may not produce next: those that would end it before min_tokens, and the last token of
