@@ -219,7 +219,7 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
 def decode_rate_in_process(llm, batch: int, sizes: Sizes) -> dict:
     """decode_rate's figures for an engine whose core runs in a process of its own, as the served app runs it
     (`engine_process`, on in serve_app's defaults) and vLLM's LLM by default: the front end's detokenizing runs beside
-    the core's steps, where inline it runs between them (~1.3 ms a batch-256 step on a Zen 3 core). The core steps
+    the core's steps, where inline it runs between them (1.5-1.9 ms a batch-256 step on a Zen 3 core). The core steps
     on its own; its step and token counts come with each step's outputs."""
     from engine import SamplingParams
     from engine.step_stats import heap_frozen_during
