@@ -128,15 +128,18 @@ def _driver() -> str | None:
         return None
 
 
-def run_tests(args: list[str], log: Log, out: Path, timeout_s: float) -> dict:
+def run_tests(args: list[str], log: Log, out: Path, timeout_s: float, workers: int = 8) -> dict:
     """pytest in a child process; its output goes to pytest.log under --out. Spread over worker processes where
     pytest-xdist is installed (the GPU image has it): a cold triton cache compiles each kernel variant the tests
     launch, which is CPU work, and the GPU holds several tests' tensors at once (every engine test sizes its KV pool
-    by blocks, none by the card's free memory)."""
+    by blocks, none by the card's free memory). Each worker runs on its own share of the cores
+    (`benchmarks/xdist_cores.py`): unpinned, 8 workers of one thread per core each, 8x oversubscribed on their CPU
+    cases, are the first suspect for the H200 run's stage running out of its time."""
     import importlib.util
 
-    workers = min(8, (os.cpu_count() or 1) // 2)
-    spread = ["-n", str(workers)] if importlib.util.find_spec("xdist") and workers > 1 else []
+    workers = min(workers, (os.cpu_count() or 1) // 2)
+    spread = ["-n", str(workers), "-p", "benchmarks.xdist_cores"] if importlib.util.find_spec("xdist") and workers > 1 \
+        else []
     started = time.perf_counter()
     failures = out / "failures.log"
     failures.unlink(missing_ok=True)
@@ -494,6 +497,8 @@ def goals(results: dict, info: dict, sizes: Sizes) -> dict:
 def main(device: str = typer.Option("cuda", help="cuda, or cpu for toy sizes under triton's interpreter"),
          out: Path = typer.Option(ROOT / "benchmarks" / "results" / "gpu-check", help="where the JSON and logs go"),
          tests: bool = typer.Option(True, help="run the pytest step"),
+         test_workers: int = typer.Option(8, help="pytest-xdist workers for the pytest step (each on its share of the "
+                                                  "cores), where xdist is installed"),
          budget_s: float = typer.Option(BUDGET_S, help="seconds the whole check may take")):
     deadline = time.monotonic() + budget_s
     if device == "cpu":
@@ -509,7 +514,7 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu for toy sizes und
     log(f"goals: {json.dumps(report.get('goals'))}")
     if tests:  # in a child process: a CUDA error that ended the measurements leaves it a fresh context
         timeout_s = max(60.0, min(TESTS_TIMEOUT_S, _left(deadline) - SWEEP_RESERVE_S))
-        report["tests"] = run_tests(sizes.tests, log, out, timeout_s)
+        report["tests"] = run_tests(sizes.tests, log, out, timeout_s, test_workers)
         if report["tests"]["exit"] != 0:
             report["failures"].append(f"pytest exit {report['tests']['exit']}: {report['tests']['summary']}")
         _write(report, out)

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.gpu_wheels import DEVICE_COPY_LIMIT, WHEEL_RECORD, WHEELS_BUDGET, misfit, tree_bytes
 from benchmarks.gpu_wheels import main as gpu_wheels
+from benchmarks.xdist_cores import share
 from tests.processes import alive
 
 pytestmark = pytest.mark.slow
@@ -158,3 +159,12 @@ def test_tests_cut_off_by_the_budget_take_their_child_processes_with_them(tmp_pa
     assert result["failed"] == ["test_stuck.py::test_fails"], result  # its traceback kept, though no summary came
     assert "AssertionError: the cause" in (tmp_path / "failures.log").read_text()
     assert not alive(int(child_pid.read_text())), "the test's child outlived the timeout"
+
+
+def test_xdist_workers_split_the_cores_between_them():
+    """Each worker of the GPU check's pytest its own contiguous share, none shared; a worker started in place of a
+    lost one takes a share, and more workers than cores still get a core each."""
+    shares = [share(list(range(16)), index, 8) for index in range(8)]
+    assert sorted(core for cores in shares for core in cores) == list(range(16)) and all(len(c) == 2 for c in shares)
+    assert share(list(range(16)), 9, 8) == shares[1]
+    assert share([4, 5], 2, 3) == [4] and share([4, 5], 1, 3) == [5]
