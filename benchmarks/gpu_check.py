@@ -245,8 +245,12 @@ def decode_rate_in_process(llm, batch: int, sizes: Sizes) -> dict:
         after, seconds = stats(), time.perf_counter() - started
     _finish(llm, ids)
     steps, tokens = after.num_steps - before.num_steps, after.generation_tokens - before.generation_tokens
+    # the core's phases a step (the forward's by CUDA events, on the device): the step less the forward is the host's
+    # own time, which async scheduling hides only while it is shorter than the GPU's
+    phases = {k: round(1e3 * (v - before.step_seconds.get(k, 0.0)) / steps, 3) for k, v in after.step_seconds.items()}
     return {"batch": batch, "step_ms": round(1e3 * seconds / steps, 3), "tok_s": round(tokens / seconds, 1),
-            "tokens": tokens, "steps": steps, "steps_ahead": after.num_steps_ahead - before.num_steps_ahead}
+            "tokens": tokens, "steps": steps, "steps_ahead": after.num_steps_ahead - before.num_steps_ahead,
+            "phases_ms": phases}
 
 
 @contextlib.contextmanager
@@ -459,7 +463,7 @@ def decode_in_process(path: str, device: str, dtype, sizes: Sizes, log: Log) -> 
     if device == "cuda":
         torch.cuda.empty_cache()
     log(f"decode graphs_async_process batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s "
-        f"(the core in its own process)")
+        f"(the core in its own process; its phases, ms a step: {row['phases_ms']})")
     return row
 
 
