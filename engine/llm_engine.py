@@ -379,7 +379,7 @@ class LLMEngine:
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, start: int, end: int,
                        now: float) -> CoreOutput:
         """Append the step's tokens [start, end) (more than one where drafts were accepted) until one finishes the
-        sequence. Indexes, not slices zipped: at batch 256 the slices, zip and enumerate were ~0.15 ms a step."""
+        sequence. Indexes, not slices zipped: at batch 256 the slices, zip and enumerate were ~0.1 ms a step."""
         for i in range(start, end):
             if i > start:
                 self.scheduler.accept_draft(seq)  # the draft fed at the previous token's position was this token
