@@ -34,6 +34,7 @@ TINY = dict(SIZES["cpu"].model, num_hidden_layers=1, hidden_size=64, intermediat
 
 def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str) -> dict:
     from engine import LLM, SamplingParams
+    from engine.step_stats import heap_frozen_during
 
     llm = LLM(model=path, device="cpu", dtype="float32", max_num_seqs=batch, max_num_batched_tokens=4096,
               num_kv_blocks=max(64, batch * (rounds * steps + 64) // 16 + 64))
@@ -46,13 +47,14 @@ def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str) -> dict
     for _ in range(10):  # prefill, and the first decode steps
         engine.step()
     results = []
-    for _ in range(rounds):
-        before, started = dict(engine.phases.seconds), time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = (time.perf_counter() - started) / steps
-        phases = {k: (v - before[k]) / steps for k, v in engine.phases.seconds.items()}
-        results.append({**phases, "step": wall, "host": wall - phases["forward"]})
+    with heap_frozen_during():  # as generate() steps: a full collection of the old heap is not the step's own work
+        for _ in range(rounds):
+            before, started = dict(engine.phases.seconds), time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = (time.perf_counter() - started) / steps
+            phases = {k: (v - before[k]) / steps for k, v in engine.phases.seconds.items()}
+            results.append({**phases, "step": wall, "host": wall - phases["forward"]})
     return {"batch": batch, "async_scheduling": ahead,
             **{k: round(1e3 * statistics.median(r[k] for r in results), 3) for k in results[0]}}
 
