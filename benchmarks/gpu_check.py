@@ -205,7 +205,7 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
         for _ in range(WARM_STEPS):
             llm.step()
         counters = llm.engine.counters
-        before, ahead = counters["generation_tokens"], counters["num_steps_ahead"]
+        before, ahead, front_end = counters["generation_tokens"], counters["num_steps_ahead"], llm.front_end_seconds
         sync(device)
         pauses, started = GcPauses(), time.perf_counter()
         for _ in range(sizes.decode_steps):
@@ -216,7 +216,9 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
     _finish(llm, ids)
     return {"batch": batch, "step_ms": round(1e3 * seconds / sizes.decode_steps, 3), "tok_s": round(tokens / seconds, 1),
             "tokens": tokens, "steps_ahead": counters["num_steps_ahead"] - ahead,
-            "gc_ms": round(1e3 * sum(pauses.seconds.values()), 3)}  # the collector's pauses inside the window
+            "gc_ms": round(1e3 * sum(pauses.seconds.values()), 3),  # the collector's pauses inside the window
+            # the front end's host time a step (detokenizing), between the inline core's steps
+            "front_end_ms": round(1e3 * (llm.front_end_seconds - front_end) / sizes.decode_steps, 3)}
 
 
 def decode_rate_in_process(llm, batch: int, sizes: Sizes) -> dict:
@@ -399,7 +401,8 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
             with async_scheduling(llm, ahead):
                 results["decode"][rows] = [decode_rate(llm, device, batch, sizes) for batch in sizes.batches]
             for row in results["decode"][rows]:
-                log(f"decode {rows} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s")
+                log(f"decode {rows} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s, "
+                    f"{row['front_end_ms']} ms of it the front end's")
                 # after the warm steps, with async scheduling one step is in flight when the clock starts and one
                 # when it stops: as many land as are timed
                 if row["tokens"] != row["batch"] * sizes.decode_steps:

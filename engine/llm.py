@@ -4,6 +4,7 @@ stepped on the calling thread; with `engine_process`, the core process, whose st
 from __future__ import annotations
 
 import queue
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,8 @@ class LLM:
         elif model or kwargs:
             raise TypeError("give LLM either a config or the fields of one, not both")
         self._delivered: queue.SimpleQueue[list[CoreOutput] | EngineDeadError] = queue.SimpleQueue()
+        # step()'s time in the front end (detokenizing, stop strings): with an inline core, host time between steps
+        self.front_end_seconds = 0.0
         self.core: EngineCore
         if config.engine_process:
             from engine.core_client import ProcessCore
@@ -190,7 +193,10 @@ class LLM:
         inline = isinstance(self.core, InlineCore)
         if inline:
             self.core.step()
-        outputs, ended = self.outputs.process(self._take_delivered(wait=not inline))
+        delivered = self._take_delivered(wait=not inline)
+        started = time.perf_counter()
+        outputs, ended = self.outputs.process(delivered)
+        self.front_end_seconds += time.perf_counter() - started
         for request_id, reason in ended.items():
             self.core.abort(request_id, reason)
         return outputs

@@ -32,6 +32,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         assert all(row["steps_ahead"] == (4 if mode.endswith("async") else 0) for row in report["decode"][mode]), \
             "every timed step flies with async scheduling, top-p sampled ones too"
         assert all(0 <= row["gc_ms"] < 1e3 * row["tokens"] / row["tok_s"] for row in report["decode"][mode])  # in the window
+        assert all(0 < row["front_end_ms"] < row["step_ms"] for row in report["decode"][mode])
     served = report["decode"]["graphs_async_process"]  # the core in its own process, stepping on its own
     assert [row["batch"] for row in served] == [4] and served[0]["steps"] >= 4 and served[0]["tok_s"] > 0, served
     assert served[0]["tokens"] == 4 * served[0]["steps"] and served[0]["steps_ahead"] > 0, served
