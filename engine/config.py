@@ -96,8 +96,9 @@ class EngineConfig(BaseModel):
         "models); True: every step runs eagerly (vLLM's flag)"))
     async_scheduling: bool = Field(default=False, description=(
         "launch the next decode step before reading this one's tokens, so the host's scheduling and input "
-        "preparation overlap the GPU's forward (vLLM's flag); for steps whose every row is a plain greedy decode, "
-        "others run as before. Off until measured on a GPU"))
+        "preparation overlap the GPU's forward (vLLM's flag); for decode steps whose rows draw from their logits "
+        "alone (greedy or sampled; no logprobs, penalties, bias or grammar), others run as before. 1.2-1.8x a "
+        "decode step on an H200 (BENCHMARKS.md); off until its GPU tests pass there"))
     max_waiting: int | None = Field(default=None, ge=1, description="bound on queued requests; None is unbounded")
     default_max_tokens: int | None = Field(default=None, ge=1, description="when a request gives none; None: the rest of the context")
     max_tokens_limit: int | None = Field(default=None, ge=1, description="cap on max_tokens, given or default; over it is refused")
