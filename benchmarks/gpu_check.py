@@ -144,13 +144,12 @@ def run_tests(args: list[str], log: Log, out: Path, timeout_s: float, workers: i
     failures = out / "failures.log"
     failures.unlink(missing_ok=True)
     with (out / "pytest.log").open("w") as sink:
-        # -v: each outcome is logged as it comes, so a run cut off by the budget still names what failed. Its own
-        # session, so that a timeout kills xdist's workers too, not pytest's main process alone: they would hold the
-        # GPU through the stages after
-        # benchmarks/failure_log.py: each failure's traceback in failures.log as it comes, the summary being the
-        # first thing a cut-off run loses
+        # -v: each outcome is logged as it comes, so a run cut off by the budget still names what failed, and
+        # benchmarks/failure_log.py writes each failure's traceback as it comes (a cut-off run loses the summary
+        # first). Its own session, so that a timeout kills xdist's workers too, not pytest's main process alone:
+        # they would hold the GPU through the stages after
         tests = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", *spread,
-                                  "-p", "benchmarks.failure_log", f"--failure-log={out / 'failures.log'}", *args],
+                                  "-p", "benchmarks.failure_log", f"--failure-log={failures}", *args],
                                  cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = tests.wait(timeout=timeout_s)
