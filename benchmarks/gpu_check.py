@@ -230,13 +230,9 @@ def decode_rate_in_process(llm, batch: int, sizes: Sizes) -> dict:
 
     params = SamplingParams(max_tokens=2 * sizes.decode_steps + 64, temperature=0.0, ignore_eos=True)
     ids = [f"decode-process-{batch}-{i}" for i in range(batch)]
+    _start(llm, ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch), params)
     stats = llm.core.stats
-    first_tokens = stats().generation_tokens + batch
-    for request_id, prompt in zip(ids, prompts(batch, sizes.prompt_len, sizes.vocab_size, batch)):
-        llm.add_request(request_id, prompt, params, final_only=True)
     with heap_frozen_during():
-        while stats().generation_tokens < first_tokens or stats().num_waiting:
-            llm.step()
         warm = stats().num_steps + WARM_STEPS
         while stats().num_steps < warm:
             llm.step()
@@ -268,11 +264,13 @@ def async_scheduling(llm, on: bool):
 
 def _start(llm, ids: list[str], work: list[list[int]], params) -> None:
     """Add the requests and step until every one has its first token (the engine's counters run on across calls).
-    Outputs come once, at the end, as `generate` has them: no reader pays for a RequestOutput each step."""
-    first_tokens = llm.engine.counters["generation_tokens"] + len(ids)
+    Outputs come once, at the end, as `generate` has them: no reader pays for a RequestOutput each step. The core's
+    stats, so that a core in its own process is waited for alike."""
+    stats = llm.core.stats
+    first_tokens = stats().generation_tokens + len(ids)
     for request_id, prompt in zip(ids, work):
         llm.add_request(request_id, prompt, params, final_only=True)
-    while llm.engine.counters["generation_tokens"] < first_tokens or llm.engine.stats().num_waiting:
+    while stats().generation_tokens < first_tokens or stats().num_waiting:
         llm.step()
 
 
@@ -386,9 +384,7 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
     results.update(decode={}, goals={})
     failures = []
     for mode, eager in (("eager", True), ("graphs", False)):
-        llm = LLM(model=path, device=device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=sizes.max_num_seqs,
-                  max_num_batched_tokens=sizes.max_num_batched_tokens, num_kv_blocks=sizes.num_kv_blocks, enforce_eager=eager,
-                  attention_backend="triton")
+        llm = LLM(**engine_args(path, device, dtype, sizes), enforce_eager=eager)
         engine = llm.engine
         if device == "cpu" and not eager:  # no graphs to capture: run their buffers eagerly, so the path is exercised
             engine.runner.capture_graphs(sizes.max_num_seqs, engine.max_model_len, capture=False)
@@ -448,6 +444,13 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
     return failures
 
 
+def engine_args(path: str, device: str, dtype, sizes: Sizes) -> dict:
+    """The engine every measurement runs, whatever it runs it in: the same model, pool and batch limits."""
+    return dict(model=path, device=device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=sizes.max_num_seqs,
+                max_num_batched_tokens=sizes.max_num_batched_tokens, num_kv_blocks=sizes.num_kv_blocks,
+                attention_backend="triton")
+
+
 def decode_in_process(path: str, device: str, dtype, sizes: Sizes, log: Log) -> dict:
     """The largest batch's decode with graphs and async scheduling, the core in its own process (the served app's
     way, see decode_rate_in_process)."""
@@ -455,9 +458,7 @@ def decode_in_process(path: str, device: str, dtype, sizes: Sizes, log: Log) -> 
 
     from engine import LLM
 
-    llm = LLM(model=path, device=device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=sizes.max_num_seqs,
-              max_num_batched_tokens=sizes.max_num_batched_tokens, num_kv_blocks=sizes.num_kv_blocks,
-              attention_backend="triton", async_scheduling=True, engine_process=True)
+    llm = LLM(**engine_args(path, device, dtype, sizes), async_scheduling=True, engine_process=True)
     try:
         row = decode_rate_in_process(llm, sizes.batches[-1], sizes)
     finally:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import typer
 
-from gpu_check import ROOT, SIZES, _finish, _start, async_scheduling, build_model, prompts, sync  # the sibling script
+from gpu_check import (  # the sibling script
+    ROOT, SIZES, _finish, _start, async_scheduling, build_model, engine_args, prompts, sync)
 
 cli = typer.Typer(add_completion=False)
 
@@ -30,9 +31,8 @@ def main(device: str = "cuda", batch: int = 256, steps: int = 8, eager: bool = F
     sizes = SIZES[device]
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    llm = LLM(model=build_model(device, sizes, dtype, out), device=device, dtype=str(dtype).removeprefix("torch."),
-              max_num_seqs=max(batch, 8), max_num_batched_tokens=sizes.max_num_batched_tokens,
-              num_kv_blocks=sizes.num_kv_blocks, enforce_eager=eager, attention_backend="triton")
+    args = engine_args(build_model(device, sizes, dtype, out), device, dtype, sizes)
+    llm = LLM(**{**args, "max_num_seqs": max(batch, 8)}, enforce_eager=eager)
     result = profile_steps(llm, device, batch, steps, out, ahead)
     print((out / result["file"]).read_text())
 
