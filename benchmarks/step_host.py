@@ -1,8 +1,10 @@
 """Host time of a decode step: the engine core's own Python around the forward (scheduling, input preparation, the
 sampler's bookkeeping, committing tokens), by batch size, on a one-layer model whose forward costs little. On a GPU
 that time is the GPU's idle time, unless async scheduling overlaps it (the first H100 run: ~5 of a 9.8 ms batch-256
-step). Phases come from the engine's own PhaseTimer; "host" is the step's wall time less its forward. Medians of
-several rounds; requests report once, at the end, as `generate`'s do.
+step). Phases come from the engine's own PhaseTimer; "host" is the step's wall time less its forward. Steps run
+through `LLM.step()`, as `generate`'s do, and "front_end" is its time in the output processor (detokenizing), which an
+inline core spends between its steps; "step" is the core's alone. Medians of several rounds; requests report once,
+at the end, as `generate`'s do.
 
 python benchmarks/step_host.py --batches 1,32,128,256 --out benchmarks/results/step-host.json
 """
@@ -45,16 +47,17 @@ def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str) -> dict
     for i, prompt in enumerate(prompts(batch, 32, SIZES["cpu"].vocab_size, 1)):
         llm.add_request(f"r{i}", prompt, params, final_only=True)
     for _ in range(10):  # prefill, and the first decode steps
-        engine.step()
+        llm.step()
     results = []
     with heap_frozen_during():  # as generate() steps: a full collection of the old heap is not the step's own work
         for _ in range(rounds):
-            before, started = dict(engine.phases.seconds), time.perf_counter()
+            before, front_end, started = dict(engine.phases.seconds), llm.front_end_seconds, time.perf_counter()
             for _ in range(steps):
-                engine.step()
-            wall = (time.perf_counter() - started) / steps
+                llm.step()
+            front_end = (llm.front_end_seconds - front_end) / steps
+            wall = (time.perf_counter() - started) / steps - front_end
             phases = {k: (v - before[k]) / steps for k, v in engine.phases.seconds.items()}
-            results.append({**phases, "step": wall, "host": wall - phases["forward"]})
+            results.append({**phases, "step": wall, "host": wall - phases["forward"], "front_end": front_end})
     return {"batch": batch, "async_scheduling": ahead,
             **{k: round(1e3 * statistics.median(r[k] for r in results), 3) for k in results[0]}}
 
@@ -72,7 +75,8 @@ def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: 
     cases = [(int(b), ahead) for b in batches.split(",") for ahead in ((False, True) if both else (False,))]
     rows = [measure(b, ahead, rounds, steps, path) for b, ahead in tqdm(cases, desc="batches", unit="case")]
     table = Table(title="decode step, ms (median of rounds)")
-    columns = ("batch", "async_scheduling", "host", "schedule", "prepare", "forward", "sample", "output", "step")
+    columns = ("batch", "async_scheduling", "host", "schedule", "prepare", "forward", "sample", "output", "step",
+               "front_end")
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
