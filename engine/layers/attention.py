@@ -128,8 +128,9 @@ class ScoreShape:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, meta, scaling: float,
                     shape: ScoreShape | None = None) -> torch.Tensor:
-    """query [T, heads, D], key/value [T, kv_heads, D] of one layer -> [T, heads, D]. `meta`: the step's
-    AttentionMetadata, or inside a compiled graph its tensors (`attention_op.AttentionTensors`)."""
+    """query [T, heads, D], key/value [T, kv_heads, D] of one layer -> [T, heads, D]; key/value None on the Triton
+    backend where the rotary kernel has written them into the pool. `meta`: the step's AttentionMetadata, or inside a
+    compiled graph its tensors (`attention_op.AttentionTensors`)."""
     if shape is None:
         return meta.attend(query, key, value, layer, scaling)
     return meta.attend(query, key, value, layer, scaling, shape)

@@ -56,12 +56,22 @@ class StepRope:
         """Whether `rotate` can RMSNorm each head first, in the same kernel (the Triton ops)."""
         return getattr(self.fused, "norms_heads", False)
 
-    def rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_norms: tuple | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def writes_kv(self) -> bool:
+        """Whether `rotate` can also write the layer's K and V into the pool, in the same kernel (the Triton ops)."""
+        return hasattr(self.fused, "rotary_write_kv")
+
+    def rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_norms: tuple | None = None,
+               kv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, D] and k [T, kv_heads, D], views at the start of the merged projection qkv, rotated;
-        `head_norms` (q weight, k weight, eps) only where `norms_heads`: each head normed first."""
+        `head_norms` (q weight, k weight, eps) only where `norms_heads`: each head normed first; `kv` (k_cache,
+        v_cache, slot_mapping) only where `writes_kv`: K as rotated and V (qkv's last heads) written there too."""
         if self.fused is None:
             return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        if kv is not None:
+            self.fused.rotary_write_kv(qkv, self.positions, self.cos, self.sin, q.shape[1], k.shape[1], q.shape[2], kv,
+                                       head_norms)
+            return q, k
         extra = () if head_norms is None else ((*head_norms, q.shape[1]),)
         self.fused.rotary_inplace(qkv, self.positions, self.cos, self.sin, q.shape[1] + k.shape[1], q.shape[2], *extra)
         return q, k

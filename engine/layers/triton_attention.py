@@ -13,8 +13,10 @@ from engine.kernels.triton.prefill import prefill_attention
 def attend_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, meta, scaling: float, shape=None) -> torch.Tensor:
     """query [T, heads, D], key/value [T, kv_heads, D]: decodes first, then the prefill chunks -> [T, heads, D].
-    `shape`: the layer's ScoreShape (a sliding window, soft-capping), if any."""
-    write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+    `shape`: the layer's ScoreShape (a sliding window, soft-capping), if any. key/value None: the step's K/V are in
+    the pool already (the rotary kernel wrote them, `TritonFusedOps.rotary_write_kv`)."""
+    if key is not None:
+        write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
     num_decodes = 0
     if meta.decode is not None:

@@ -62,9 +62,15 @@ class Attention(nn.Module):
             head_norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         elif self.q_norm is not None:
             self._normalise_heads(q, k)
+        # the Triton ops write K and V into the pool from the rotary kernel: attention then has nothing to write
+        kv = (*meta.kv_layers[self.layer], meta.slot_mapping) if rope.writes_kv and meta.triton else None
         q, k = rope.rotate(qkv, q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim),
-                           head_norms)
-        out = paged_attention(q, k, v.view(tokens, self.kv_heads, self.head_dim), self.layer, meta, self.scaling)
+                           head_norms, kv)
+        if kv is not None:
+            k = v = None
+        else:
+            v = v.view(tokens, self.kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, self.layer, meta, self.scaling)
         return self.o_proj(out.view(tokens, self.heads * self.head_dim))
 
     def _normalise_heads(self, q: torch.Tensor, k: torch.Tensor) -> None:

@@ -51,10 +51,10 @@ def write_kv_launch(k_cache, v_cache, key, value, slot_mapping) -> Launch:
         value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
         dict(KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(kv_heads), BLOCK_T=TOKENS_PER_PROGRAM,
              BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-             **_fp8_format(k_cache.dtype)))
+             **fp8_format(k_cache.dtype)))
 
 
-def _fp8_format(cache_dtype: torch.dtype) -> dict:
+def fp8_format(cache_dtype: torch.dtype) -> dict:
     """The cache's fp8 format as the kernel rounds to it; FP8_MANTISSA 0 where the cache is not fp8."""
     if not is_fp8(cache_dtype):
         return dict(FP8_MANTISSA=0, FP8_MIN_NORMAL=0.0, FP8_LARGEST=0.0)

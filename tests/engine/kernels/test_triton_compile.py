@@ -20,7 +20,7 @@ CASES = [("bfloat16", 128, 7), ("float16", 64, 1), ("float32", 48, 3)]
 # kv_cache_dtype fp8: (cache dtype, query dtype, targets). triton compiles e4m3 for sm_89 on (the engine refuses it
 # before that, tests/engine/test_attention_backend.py), e5m2 everywhere
 FP8_CASES = [("float8_e4m3fn", "bfloat16", ("sm_89", "sm_90")), ("float8_e5m2", "float16", tuple(GPU_TARGETS))]
-FP8_KERNELS = ("kv_write", "decode", "decode_split", "prefill")
+FP8_KERNELS = ("kv_write", "rotary_write_kv", "decode", "decode_split", "prefill")
 GATHERS = ("decode", "decode_split", "prefill", "decode_shaped", "prefill_shaped")  # read K/V through block tables
 
 
@@ -55,9 +55,12 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
                                          shape=ScoreShape(16, 50.0)),
         "add_rms_norm": add_rms_norm_launch(hidden, hidden, hidden[0], hidden, hidden, 1e-6),
         "rms_norm": add_rms_norm_launch(hidden, None, hidden[0], hidden, hidden, 1e-6),
-        "rotary": rotary_launch(qkv, lens, table, table, (group + 1) * kv_heads, head_dim),
-        "rotary_head_norms": rotary_launch(qkv, lens, table, table, (group + 1) * kv_heads, head_dim,
-                                           (qkv[0, :head_dim], qkv[0, :head_dim], 1e-6, group * kv_heads)),
+        "rotary": rotary_launch(qkv, lens, table, table, 0, (group + 1) * kv_heads, head_dim),
+        "rotary_head_norms": rotary_launch(qkv, lens, table, table, group * kv_heads, kv_heads, head_dim,
+                                           (qkv[0, :head_dim], qkv[0, :head_dim], 1e-6)),
+        # the Triton ops' rotary that also writes K and V into the pool (Llama's layers on the Triton backend)
+        "rotary_write_kv": rotary_launch(qkv, lens, table, table, group * kv_heads, kv_heads, head_dim,
+                                         kv=(cache, cache, lens)),
         "silu_and_mul": silu_and_mul_launch(hidden, hidden[:, : hidden.shape[1] // 2]),
         "greedy_parts": greedy_launches(hidden, lens, -1)[0],
         "greedy_merge": greedy_launches(hidden, lens, -1)[1],
@@ -106,7 +109,7 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
     fp8 = sum(len(targets) for _, _, targets in FP8_CASES) * len(FP8_KERNELS)
-    assert len(results) == len(CASES) * 15 * len(GPU_TARGETS) + fp8
+    assert len(results) == len(CASES) * 16 * len(GPU_TARGETS) + fp8
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 

@@ -83,6 +83,37 @@ def test_rotary_with_head_norms_is_the_norms_then_the_rotary(dtype, heads, kv_he
     assert torch.equal(v, untouched)
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                                (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (12, 2, 128), (7, 1, 80)])
+@pytest.mark.parametrize("head_norms", [False, True])
+def test_rotary_write_kv_is_the_rotary_then_the_kv_write(dtype, cache_dtype, heads, kv_heads, head_dim, head_norms):
+    """One kernel for the two a layer ran before (rotary_inplace, then write_kv): the same q/k bits in the
+    projection, the same bytes in the pool (an fp8 one included), nothing written for a padded row (slot -1) or to any
+    slot not in the mapping."""
+    from engine.kernels.triton.kv_write import write_kv
+
+    tokens, max_position, block_size, blocks = 9, 300, 16, 6
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=7) * 3
+    positions = torch.tensor([0, 1, 5, 17, 63, 64, 128, 250, 299], device=DEVICE)
+    slots = torch.tensor([3, 17, 40, 41, 0, 95, 60, -1, 33], device=DEVICE)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    norms = (randn(head_dim, dtype=dtype, seed=8), randn(head_dim, dtype=dtype, seed=9), 1e-6) if head_norms else None
+    pool = torch.full((2, kv_heads, blocks, block_size, head_dim), 7.0, device=DEVICE).to(cache_dtype or dtype)
+    expected_qkv, expected_pool = qkv.clone(), pool.clone()
+    ops.rotary_inplace(expected_qkv, positions, cos, sin, heads + kv_heads, head_dim,
+                       None if norms is None else (*norms, heads))
+    _, k, v = expected_qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    write_kv(expected_pool[0], expected_pool[1], k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim),
+             slots)
+    ops.rotary_write_kv(qkv, positions, cos, sin, heads, kv_heads, head_dim, (pool[0], pool[1], slots), norms)
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(pool.view(torch.uint8), expected_pool.view(torch.uint8))
+    written = pool.view(torch.uint8).ne(torch.full_like(pool, 7.0).view(torch.uint8)).any(-1).flatten(2)  # [2, kvh, slot]
+    assert written.any(0).any(0).nonzero().flatten().tolist() == sorted(slots[slots >= 0].tolist())
+
+
 def test_rotary_leaves_a_position_outside_the_table_alone():
     """The engine never schedules one; the kernel must not read past the tables for it."""
     qkv = randn(2, 2 * 64, dtype=torch.float32, seed=4)
