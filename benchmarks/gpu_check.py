@@ -79,6 +79,7 @@ SIZES = {
     "cuda": Sizes(QWEN_1_5B, 151936, [1, 32, 128, 256], 32, 128, 64, 4096, 256, 4096, None,
                   ["tests/engine/kernels/test_triton_attention.py", "tests/engine/kernels/test_triton_fused_ops.py",
                    "tests/engine/kernels/test_triton_greedy.py", "tests/engine/kernels/test_triton_nucleus.py",
+                   "tests/engine/kernels/test_triton_matmul.py", "tests/engine/test_gemm_plan.py",
                    "tests/engine/test_synthetic_models.py", "tests/engine/test_async_scheduling.py",
                    "tests/engine/test_cuda_graphs.py", "tests/engine/test_lora.py", "tests/engine/test_embeddings.py",
                    "tests/engine/test_score_shapes.py",
@@ -384,7 +385,8 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
     results.update(decode={}, goals={})
     failures = []
     for mode, eager in (("eager", True), ("graphs", False)):
-        llm = LLM(**engine_args(path, device, dtype, sizes), enforce_eager=eager)
+        llm = LLM(**engine_args(path, device, dtype, sizes), enforce_eager=eager) if eager else \
+            graphs_engine(path, device, dtype, sizes, log, failures)
         engine = llm.engine
         if device == "cpu" and not eager:  # no graphs to capture: run their buffers eagerly, so the path is exercised
             engine.runner.capture_graphs(sizes.max_num_seqs, engine.max_model_len, capture=False)
@@ -424,8 +426,13 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
             results["kv"] = {"blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,
                              **_memory(device)}
             graphs = engine.runner.graphs
+            plan = graphs.gemm_plan if graphs is not None else None
             results["graphs"] = {"buckets": settings.get("cuda_graphs"),
-                                 "memory_mib": round(graphs.memory_bytes / 2**20, 1) if graphs is not None else None}
+                                 "memory_mib": round(graphs.memory_bytes / 2**20, 1) if graphs is not None else None,
+                                 # per decoder linear shape and bucket: cuBLAS's us a call against the best tiling's
+                                 "gemm_plan": plan.timings if plan is not None else None}
+            if plan is not None:
+                log(f"linear kernels: {plan.summary()}")
         del llm, engine
         gc.collect()  # the engine's cycles hold its KV pool: the next engine profiles free memory without it
         if device == "cuda":
@@ -442,6 +449,26 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
         f"HF generate {results['hf_static']['tok_s']} tok/s; KV {results['kv']}")
     results["goals"] = goals(results, info, sizes)
     return failures
+
+
+def graphs_engine(path: str, device: str, dtype, sizes: Sizes, log: Log, failures: list[str]):
+    """The engine with CUDA graphs and the linears' plan (engine/gemm_plan.py, new and not yet run on a GPU); if that
+    engine fails to start, the failure is a check's, and the rest is measured on cuBLAS rather than lost."""
+    import torch
+
+    from engine import LLM
+
+    try:
+        return LLM(**engine_args(path, device, dtype, sizes), enforce_eager=False)
+    except Exception as error:
+        import traceback
+
+        log(f"the graphs engine with gemm_tuning failed; again without:\n{traceback.format_exc()}")
+        failures.append(f"graphs engine with gemm_tuning: {type(error).__name__}: {error}")
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return LLM(**engine_args(path, device, dtype, sizes), enforce_eager=False, gemm_tuning=False)
 
 
 def engine_args(path: str, device: str, dtype, sizes: Sizes) -> dict:

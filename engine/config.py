@@ -94,6 +94,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(default=False, description=(
         "on CUDA, decode steps replay CUDA graphs captured at start-up for batch buckets up to max_num_seqs (native "
         "models); True: every step runs eagerly (vLLM's flag)"))
+    gemm_tuning: bool = Field(default=True, description=(
+        "with CUDA graphs in bf16/fp16: at start-up, time each decoder linear's shape at every graph bucket of 64 "
+        "rows and more on cuBLAS and on the Triton tilings (engine/gemm_plan.py), and capture each graph on the "
+        "fastest; False: cuBLAS throughout"))
     async_scheduling: bool = Field(default=False, description=(
         "launch the next decode step before reading this one's tokens, so the host's scheduling and input "
         "preparation overlap the GPU's forward (vLLM's flag); for decode steps whose rows draw from their logits "

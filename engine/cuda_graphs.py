@@ -18,6 +18,7 @@ padding logic on CPU (with the Triton kernels under triton's interpreter).
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 from tqdm.auto import tqdm
@@ -35,8 +36,9 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_cache: torch.Tensor, kv_layers, block_size: int, max_num_seqs: int,
-                 max_model_len: int, num_splits, capture: bool = True):
-        """`num_splits(batch)`: the attention's split count for a bucket."""
+                 max_model_len: int, num_splits, capture: bool = True, gemm_plan=None):
+        """`num_splits(batch)`: the attention's split count for a bucket; `gemm_plan`: the linears' kernels
+        (engine/gemm_plan.py), None: cuBLAS."""
         self.model = model
         self.device = kv_cache.device
         self.buckets = batch_buckets(max_num_seqs)
@@ -54,6 +56,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's output: the final norm's [b, hidden]
         self.memory_bytes = 0
+        self.gemm_plan = gemm_plan
         if capture:
             self._capture()
 
@@ -70,11 +73,12 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated(self.device)
         pool = None
         for b in tqdm(list(reversed(self.buckets)), desc="capturing decode CUDA graphs", unit="graph"):
-            self._forward(b)  # the first call compiles the Triton kernels for this shape, outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[b] = self._forward(b)
+            with self.gemm_plan.applied(b) if self.gemm_plan is not None else nullcontext():
+                self._forward(b)  # the first call compiles the Triton kernels for this shape, outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.hidden[b] = self._forward(b)
             pool = graph.pool() if pool is None else pool
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)

@@ -2,21 +2,24 @@
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, batch_buckets
 from engine.host_memory import ask_huge_pages, to_device
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillChunk
 from engine.layers.kv_cache_dtype import raw
+from engine.layers.linear import Linear
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_stats import PhaseTimer
 
 if TYPE_CHECKING:
+    from engine.gemm_plan import GemmPlan
     from engine.layers.lora import LoRAStep
     from engine.models import Model
 
@@ -99,14 +102,29 @@ class ModelRunner:
         ask_huge_pages(pool)  # before the zeros touch it: decode attention reads blocks scattered over all of it
         return pool.zero_()
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True,
+                       gemm_tuning: bool = False) -> DecodeGraphs:
         """Decode steps of up to max_num_seqs sequences replay CUDA graphs from now on (capture=False: the same
-        buffers, run eagerly; tests on CPU). Call after the KV pool is allocated: the graphs hold its address."""
+        buffers, run eagerly; tests on CPU). Call after the KV pool is allocated: the graphs hold its address.
+        `gemm_tuning`: the layers' linears take the Triton tiling that times faster than cuBLAS, bucket by bucket."""
         kv_heads = self.kv_cache.shape[2]
+        plan = self._gemm_plan(batch_buckets(max_num_seqs)) if gemm_tuning and capture else None
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.kv_layers, self.block_size, max_num_seqs,
                                    max_model_len, lambda b: self.num_splits_for(b, kv_heads, max_model_len, self.num_sms),
-                                   capture)
+                                   capture, plan)
         return self.graphs
+
+    def _gemm_plan(self, buckets: list[int]) -> GemmPlan | None:
+        from engine.gemm_plan import GemmPlan, plannable  # imports triton: only where it runs
+
+        linears = [m for m in self.model.model.layers.modules() if isinstance(m, Linear) and plannable(m)]
+        if not linears:
+            return None
+        started = time.perf_counter()
+        plan = GemmPlan.measure(linears, buckets)
+        torch.cuda.empty_cache()  # the timed weight copies
+        log.info("linear kernels timed in %.1f s: %s", time.perf_counter() - started, plan.summary())
+        return plan
 
     @property
     def num_blocks(self) -> int:

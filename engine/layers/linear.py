@@ -3,7 +3,8 @@ from a checkpoint's separate matrices.
 
 `benchmarks/linear_packing.py` measured oneDNN's pre-packed weights (`mkldnn._linear_pointwise`) at 1.2-2.3x
 `F.linear` in bf16 and 1.8-2.7x in fp32 over the model's shapes, cold, at 1 to 256 rows; one packing (hinted for
-64 rows) serves every row count. Elsewhere (CUDA, fp16) the plain weight goes through `F.linear`.
+64 rows) serves every row count. Elsewhere (CUDA, fp16) the plain weight goes through `F.linear`, or, in a captured
+decode graph, through the Triton tiling that measured faster for its shape (`engine/gemm_plan.py`).
 
 A linear loaded from GGUF blocks (`engine/layers/quantized.py`) also keeps them, and runs them for up to
 `block_rows` rows, where reading fewer bytes wins.
@@ -42,6 +43,7 @@ class Linear(nn.Module):
         self.block_rows = 0
         self.bnb: nn.Module | None = None  # NF4 or int8 weights (bnb_linear.py), in place of the dense ones
         self.lora: LinearLoRA | None = None  # LoRA adapters (engine/models/lora.py), added to the output
+        self.tiling = None  # a Triton tiling, set only while a CUDA graph is captured (engine/gemm_plan.py)
 
     def load_blocks(self, blocks: BlockWeight) -> None:
         """Keep GGUF blocks for small batches, and their exact dense values for the rest."""
@@ -76,6 +78,10 @@ class Linear(nn.Module):
         return self.dense_forward(x)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiling is not None:
+            from engine.kernels.triton.matmul import matmul  # imports triton: only where it runs
+
+            return matmul(x, self.weight, self.bias, self.tiling)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # an op of the graph; eager, the call itself (no dispatch: 121 a step)

@@ -32,6 +32,7 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
     from engine.kernels.triton.greedy import greedy_launches
     from engine.kernels.triton.nucleus import nucleus_threshold_launch
     from engine.kernels.triton.kv_write import write_kv_launch
+    from engine.kernels.triton.matmul import Tiling, matmul_launches
     from engine.kernels.triton.prefill import prefill_launch
     from engine.layers.attention import ScoreShape
 
@@ -43,6 +44,9 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
     hidden = torch.zeros(batch, 12 * head_dim, dtype=dtype)  # a hidden size off powers of two
     qkv = torch.zeros(batch, (group + 2) * kv_heads * head_dim, dtype=dtype)
     table = torch.zeros(64, head_dim // 2)
+    # a linear of the plan's tilings on 8 warps, split along K (`engine/gemm_plan.py` times them against cuBLAS)
+    weight, projected = torch.zeros(head_dim, hidden.shape[1], dtype=dtype), torch.zeros(batch, head_dim, dtype=dtype)
+    split_matmul = matmul_launches(hidden, weight, None, projected, Tiling(128, 128, 64, 2, 8, 3))
     return {
         "kv_write": write_kv_launch(cache, cache, query[:, :kv_heads], query[:, :kv_heads], lens),
         "decode": decode_launches(query, cache, cache, tables, lens, 0.1, 1, query)[0],
@@ -61,6 +65,9 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
         # the Triton ops' rotary that also writes K and V into the pool (Llama's layers on the Triton backend)
         "rotary_write_kv": rotary_launch(qkv, lens, table, table, group * kv_heads, kv_heads, head_dim,
                                          kv=(cache, cache, lens)),
+        "matmul": matmul_launches(hidden, weight, weight[:, 0], projected, Tiling(64, 64, 128, 1))[0],
+        "matmul_split": split_matmul[0],
+        "matmul_sum": split_matmul[1],
         "silu_and_mul": silu_and_mul_launch(hidden, hidden[:, : hidden.shape[1] // 2]),
         "greedy_parts": greedy_launches(hidden, lens, -1)[0],
         "greedy_merge": greedy_launches(hidden, lens, -1)[1],
@@ -109,7 +116,7 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
     fp8 = sum(len(targets) for _, _, targets in FP8_CASES) * len(FP8_KERNELS)
-    assert len(results) == len(CASES) * 16 * len(GPU_TARGETS) + fp8
+    assert len(results) == len(CASES) * 19 * len(GPU_TARGETS) + fp8
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 

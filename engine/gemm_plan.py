@@ -1,0 +1,133 @@
+"""Which kernel each linear layer of a captured decode step runs: cuBLAS, or the Triton tiling
+(`engine/kernels/triton/matmul.py`) that measured faster on this GPU for that layer's shape at that batch bucket.
+
+Timed at start-up, before the CUDA graphs are captured, for the buckets of MIN_ROWS rows and more, where the first
+H100 run saw cuBLAS at a third of the part's peak on the narrow projections; each candidate is timed as a graph of
+CALLS calls over enough copies of the weight that L2 does not hold them, as a step reads each layer's weights once.
+Only the captured graphs take a tiling: an eager step launches triton's kernels through Python, tens of
+microseconds each on the host, and keeps cuBLAS.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.triton.matmul import TILINGS, Tiling, matmul
+
+log = logging.getLogger(__name__)
+
+MIN_ROWS = 64
+CALLS = 10  # calls a timed graph holds
+REPLAYS = 5  # timed replays of it; the median counts
+COLD_BYTES = 256 << 20  # weight copies a timed graph cycles through: more than any GPU's L2
+
+
+@dataclass(frozen=True)
+class Shape:
+    out_features: int
+    in_features: int
+    bias: bool
+
+
+@dataclass
+class GemmPlan:
+    linears: list  # every Linear the plan may steer (engine/layers/linear.py)
+    chosen: dict[tuple[Shape, int], Tiling] = field(default_factory=dict)  # (shape, rows) -> tiling; absent: cuBLAS
+    timings: list[dict] = field(default_factory=list)  # per shape and bucket: microseconds a call, cuBLAS and best
+
+    @classmethod
+    def measure(cls, linears: list, buckets: list[int]) -> GemmPlan:
+        plan = cls(linears)
+        shapes = {shape_of(m): m for m in linears}
+        for shape, module in shapes.items():
+            weight = module.weight
+            copies = [weight] + [weight.clone() for _ in range(min(15, COLD_BYTES // weight_bytes(weight)))]
+            for rows in (b for b in buckets if b >= MIN_ROWS):
+                plan._choose(shape, copies, module.bias, rows)
+        return plan
+
+    def _choose(self, shape: Shape, copies: list[torch.Tensor], bias: torch.Tensor | None, rows: int) -> None:
+        x = torch.randn(rows, shape.in_features, device=copies[0].device).to(copies[0].dtype)
+        cublas = time_calls(lambda w: F.linear(x, w, bias), copies)
+        best, best_us = None, cublas
+        for tiling in TILINGS:
+            try:
+                us = time_calls(lambda w: matmul(x, w, bias, tiling), copies)
+            except Exception as error:  # a tiling this GPU cannot run (shared memory), or a compile error
+                log.debug("tiling %s skipped for %s: %s", tiling, shape, error)
+                continue
+            if us < best_us:
+                best, best_us = tiling, us
+        if best is not None:
+            self.chosen[(shape, rows)] = best
+        self.timings.append({"out": shape.out_features, "in": shape.in_features, "rows": rows,
+                             "cublas_us": round(cublas, 2), "best_us": round(best_us, 2),
+                             "tiling": None if best is None else vars(best)})
+
+    @contextmanager
+    def applied(self, rows: int):
+        """Every linear on its tiling for `rows` (cuBLAS where none won) while a graph of that bucket is captured."""
+        for module in self.linears:
+            module.tiling = self.chosen.get((shape_of(module), rows))
+        try:
+            yield
+        finally:
+            for module in self.linears:
+                module.tiling = None
+
+    def step_us(self, rows: int) -> tuple[float, float]:
+        """A decode step's linears at bucket `rows`, in microseconds as timed: (all on cuBLAS, as planned)."""
+        by_shape = {(t["out"], t["in"]): t for t in self.timings if t["rows"] == rows}
+        rows_of = [by_shape[(m.out_features, m.in_features)] for m in self.linears
+                   if (m.out_features, m.in_features) in by_shape]
+        return sum(t["cublas_us"] for t in rows_of), sum(t["best_us"] for t in rows_of)
+
+    def summary(self) -> str:
+        won = sum(t["tiling"] is not None for t in self.timings)
+        largest = max((t["rows"] for t in self.timings), default=None)
+        if largest is None:
+            return "no bucket of 64 rows or more: cuBLAS throughout"
+        cublas, planned = self.step_us(largest)
+        return (f"Triton won {won} of {len(self.timings)} (shape, bucket) pairs; a step's linears at {largest} rows "
+                f"{cublas:.0f} us on cuBLAS, {planned:.0f} us as planned")
+
+
+def shape_of(module) -> Shape:
+    return Shape(module.out_features, module.in_features, module.bias is not None)
+
+
+def weight_bytes(weight: torch.Tensor) -> int:
+    return weight.numel() * weight.element_size()
+
+
+def plannable(module) -> bool:
+    """A dense 16-bit CUDA linear: not quantized (bitsandbytes drops the dense weight), not on GGUF blocks. fp32
+    keeps cuBLAS: the parity tests compare it with transformers' own F.linear."""
+    weight = getattr(module, "weight", None)
+    return (weight is not None and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+            and module.bnb is None and module.blocks is None)
+
+
+def time_calls(call, weights: list[torch.Tensor]) -> float:
+    """Microseconds a call, as the median of REPLAYS replays of a graph of CALLS calls cycling through `weights`."""
+    call(weights[0])  # compiles a triton kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            call(weights[i % len(weights)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(samples)
