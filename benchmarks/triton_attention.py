@@ -183,7 +183,8 @@ def tiling_cases(device: str, repeats: int) -> list[dict]:
 
     cuda = device == "cuda"
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
-    prefill_tokens, decode_shapes = (4096, [(256, 2048), (1, 32768)]) if cuda else (80, [(3, 100)])
+    # (256, 160): about the batch and context of make gpu-check's judged decode step (128-token prompts, ~32 steps)
+    prefill_tokens, decode_shapes = (4096, [(256, 160), (256, 2048), (1, 32768)]) if cuda else (80, [(3, 100)])
     tilings = (PREFILL_TILINGS, DECODE_TILINGS) if cuda else (PREFILL_TILINGS[:1] + PREFILL_TILINGS[-1:], DECODE_TILINGS[:3])
 
     def prefill_runner(tokens):
