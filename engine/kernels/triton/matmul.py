@@ -1,9 +1,9 @@
 """y = x W^T + b for a linear layer's few rows (a decode step's batch), split along K where the output alone has too
 few tiles to fill the GPU.
 
-On the first H100 run (benchmarks/results/gpu-check-20261127-h100/profile-256.txt) cuBLAS took a batch-256 step's
-down projection ([256, 8960] x [8960, 1536]) in 21 us, 334 TFLOP/s, a third of the part's peak: its 1,536 output
-columns make 96 tiles of 64 x 64 on 132 SMs. Here a program takes one (M, N) tile and one of SPLIT_K slices of K;
+On the first H100 run (benchmarks/results/gpu-check-20261127-h100/profile-256.txt) cuBLAS's kernel for a batch-256
+step's down projection ([256, 8960] x [8960, 1536], by its 64 x 64 tiles and its count) took 21 us, 334 TFLOP/s, a
+third of the part's peak: 1,536 output columns make 96 such tiles on 132 SMs. Here a program takes one (M, N) tile and one of SPLIT_K slices of K;
 with SPLIT_K > 1 each writes its fp32 partial and a second kernel sums them, adds the bias and rounds once, so the
 result does not depend on which program finishes first (atomics would). Programs that share a weight tile run
 next to each other, so the M tiles after the first read it from L2.
