@@ -2,8 +2,9 @@
 of q and k in place (with the layer's K/V write into the pool folded in, `rotary_write_kv`), and SiLU(gate) * up.
 Written in torch they are about 30 kernels a layer on CUDA (the norm's casts, the rotary's halves and `cat`), and on
 the first H100 run they took 1.9 of a batch-256 decode step's 4.7 ms of GPU time
-(benchmarks/results/gpu-check-20261127-h100/profile-256.txt). The Triton twins of `engine/csrc/fused_ops_cpu.cpp`: the same calls, the same rounding (transformers' Llama code: the residual sum and
-each op's output in the model's dtype, the arithmetic in fp32), so a model takes either as its `fused` ops.
+(benchmarks/results/gpu-check-20261127-h100/profile-256.txt). The Triton twins of `engine/csrc/fused_ops_cpu.cpp`:
+the same calls, the same rounding (transformers' Llama code: the residual sum and each op's output in the model's
+dtype, the arithmetic in fp32), so a model takes either as its `fused` ops.
 
 A program takes a few rows: sizes are small enough that one row never needs a loop, and the count of programs
 stays low under triton's interpreter, where each costs a Python call.
