@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.fixtures.tiny_models import tiny_checkpoint
+from tests.fixtures.triton_interpreter import cpu_triton_marks
 
 pytestmark = pytest.mark.slow
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -130,7 +131,7 @@ def test_a_pool_too_small_to_grow_ahead_lands_the_step_and_preempts_as_before(ch
     assert run(llm, True, work) == reference
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=cpu_triton_marks()), DEVICES[1]])
 def test_decode_steps_from_cuda_graph_buffers_fly_too(checkpoint, device):
     """The Triton path, with decode steps through the graphs' buffers (captured on CUDA, run eagerly on CPU)."""
     llm = engine(checkpoint, device, backend="triton")

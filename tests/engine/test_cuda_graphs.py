@@ -6,6 +6,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import batch_buckets
 from tests.fixtures.tiny_models import tiny_checkpoint
+from tests.fixtures.triton_interpreter import cpu_triton_marks
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,8 @@ def run(llm, lengths: list[int]):
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=cpu_triton_marks()),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_decode_steps_from_the_graphs_give_the_eager_tokens(checkpoint, device, monkeypatch):
     lengths = [3, 9, 14, 20, 6, 11]
     args = dict(model=checkpoint, dtype="float32", device=device, attention_backend="triton", num_kv_blocks=64,

@@ -11,6 +11,7 @@ from engine.config import SpeculativeConfig
 from engine.cpu_kernels import have_compiler
 from tests.engine.helpers import assert_matches_hf, load_hf_model
 from tests.fixtures.tiny_models import TINY, random_checkpoint, synthetic_tokenizer, tiny_checkpoint, CONFIGS
+from tests.fixtures.triton_interpreter import cpu_triton_marks
 
 pytestmark = pytest.mark.slow  # a minute; on a GPU machine (`gpu or not slow`) only the cases marked gpu run
 TOLERANCE = 2e-4  # largest gap between the engine's and HF's unit vectors, fp32 (measured: ~1e-6)
@@ -143,7 +144,8 @@ def test_truncation_and_the_limits_of_an_embedding_request(llm32, hf32):
 
 
 @pytest.mark.parametrize("backend", [
-    "torch", pytest.param("cpp", marks=pytest.mark.skipif(not have_compiler(), reason="no C++ compiler")), "triton",
+    "torch", pytest.param("cpp", marks=pytest.mark.skipif(not have_compiler(), reason="no C++ compiler")),
+    pytest.param("triton", marks=cpu_triton_marks()),
     pytest.param("cuda-triton", marks=pytest.mark.gpu), pytest.param("cuda-torch", marks=pytest.mark.gpu)])
 def test_matryoshka_models_cut_and_renormalize_on_every_backend(tmp_path, backend):
     """A model whose config says it was trained to be cut (Matryoshka) serves `dimensions` from its list; tiny random

@@ -1,5 +1,6 @@
-"""The linears' kernel plan (`engine/gemm_plan.py`): what it steers and when, on CPU with the Triton linear under
-triton's interpreter; timed against cuBLAS and captured in a graph on CUDA (marker `gpu`)."""
+"""The linears' kernel plan (`engine/gemm_plan.py`): what it steers and when, with the Triton linear on CUDA where
+there is one, else on CPU under triton's interpreter; timed against cuBLAS and captured in a graph on CUDA (marker
+`gpu`)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +8,8 @@ import torch.nn.functional as F
 from engine.gemm_plan import GemmPlan, Shape, plannable, shape_of
 from engine.kernels.triton.matmul import Tiling
 from engine.layers.linear import Linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def linear(out_features: int, in_features: int, bias: bool, device="cpu", dtype=torch.float32, seed=0) -> Linear:
@@ -34,8 +37,8 @@ def test_a_tiling_applies_only_to_its_bucket_and_only_inside_the_context():
 
 
 def test_a_linear_on_a_tiling_computes_what_cublas_would():
-    down = linear(72, 300, True, seed=2)
-    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    down = linear(72, 300, True, DEVICE, seed=2)
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     down.tiling = Tiling(64, 64, 128, 4)
     torch.testing.assert_close(down(x), F.linear(x, down.weight, down.bias), rtol=1e-5, atol=1e-4)
 
@@ -63,7 +66,7 @@ def test_the_plan_keeps_a_tiling_only_where_it_timed_faster_and_skips_one_that_f
         return cost
 
     monkeypatch.setattr(gemm_plan, "time_calls", fake_time)
-    down = linear(40, 96, False)
+    down = linear(40, 96, False, DEVICE)
     plan = GemmPlan.measure([down], [8, 64, 128])
     assert plan.chosen == {(shape_of(down), 64): fast}
     assert [(t["rows"], t["cublas_us"], t["best_us"], t["tiling"] is not None) for t in plan.timings] == \

@@ -14,6 +14,7 @@ from engine.models import load_hf_config, score_shaping
 from tests.engine.helpers import assert_matches_hf, assert_varied
 from tests.engine.test_synthetic_models import shared_prefix_prompts, varied_prompts
 from tests.fixtures.tiny_models import random_checkpoint, synthetic_tokenizer
+from tests.fixtures.triton_interpreter import cpu_triton_marks
 
 WINDOW = 16
 SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -52,7 +53,8 @@ def interpreted(name: str, mode: str) -> bool:
     return name == "gemma2" and mode in ("chunked-prefill", "prefix-hits")
 
 
-CASES = [pytest.param(name, mode, device, backend, marks=[pytest.mark.gpu] if device == "cuda" else [])
+CASES = [pytest.param(name, mode, device, backend,
+                      marks=[pytest.mark.gpu] if device == "cuda" else cpu_triton_marks() if backend == "triton" else [])
          for name in MODELS for mode in MODES
          for device, backend in (("cpu", "torch"), ("cpu", "triton"), ("cuda", "triton"))
          if backend != "triton" or device == "cuda" or interpreted(name, mode)]

@@ -15,6 +15,7 @@ from engine.config import SpeculativeConfig
 from engine.cpu_kernels import have_compiler
 from tests.engine.helpers import assert_matches_hf, assert_varied, hf_verdicts, load_hf_model
 from tests.fixtures.tiny_models import TINY, synthetic_tokenizer, tiny_checkpoint
+from tests.fixtures.triton_interpreter import cpu_triton_marks
 
 NEW_TOKENS = 24
 WORDS = ("the engine schedules each request in blocks of sixteen tokens while the replica streams text back to "
@@ -23,7 +24,8 @@ SYSTEM = "You are a careful assistant who answers in plain words and never inven
 
 # (device, attention backend, marks); Triton on CPU runs under triton's interpreter
 BACKENDS = [("cpu", "torch", []), ("cpu", "cpp", [pytest.mark.skipif(not have_compiler(), reason="no C++ compiler")]),
-            ("cpu", "triton", []), ("cuda", "triton", [pytest.mark.gpu]), ("cuda", "torch", [pytest.mark.gpu])]
+            ("cpu", "triton", cpu_triton_marks()), ("cuda", "triton", [pytest.mark.gpu]),
+            ("cuda", "torch", [pytest.mark.gpu])]
 
 
 def on(*chosen: tuple[str, str]) -> list:
