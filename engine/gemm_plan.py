@@ -45,8 +45,7 @@ class GemmPlan:
         plan = cls(linears)
         shapes = {shape_of(m): m for m in linears}
         for shape, module in shapes.items():
-            weight = module.weight
-            copies = [weight] + [weight.clone() for _ in range(min(15, COLD_BYTES // weight_bytes(weight)))]
+            copies = cold_copies(module.weight)
             for rows in (b for b in buckets if b >= MIN_ROWS):
                 plan._choose(shape, copies, module.bias, rows)
         return plan
@@ -101,8 +100,16 @@ def shape_of(module) -> Shape:
     return Shape(module.out_features, module.in_features, module.bias is not None)
 
 
-def weight_bytes(weight: torch.Tensor) -> int:
-    return weight.numel() * weight.element_size()
+def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weight and enough copies of it that cycling through them reads from HBM, as a step reads each layer's
+    weights once; as many as fit where the KV pool left less room (gpu_memory_utilization near 1)."""
+    copies = [weight]
+    for _ in range(min(15, COLD_BYTES // (weight.numel() * weight.element_size()))):
+        try:
+            copies.append(weight.clone())
+        except torch.cuda.OutOfMemoryError:
+            break
+    return copies
 
 
 def plannable(module) -> bool:
