@@ -75,7 +75,7 @@ def main(batch: int = 64, context: int = 200, heads: int = 9, kv_heads: int = 3,
     kv_bytes = batch * context * kv_heads * head_dim * 2 * dt.itemsize * layers
     moved = {name: stream.numel() * 4 if name.startswith("one stream") else kv_bytes for name in cases}
     medians = {name: statistics.median(ts[1:]) for name, ts in timings.items()}
-    rows = [{"case": name, "ms": round(1e3 * s, 2), "gb_s": round(moved[name] / s / 1e9, 1)}
+    rows = [{"case": name, "ms": float(f"{1e3 * s:.3g}"), "gb_s": float(f"{moved[name] / s / 1e9:.3g}")}
             for name, s in medians.items()]
     table = Table(title=f"decode attention, {layers} layers, batch {batch}, context {context}, {dtype}, "
                         f"{threads} threads (median of {rounds})")
