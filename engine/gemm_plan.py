@@ -43,10 +43,12 @@ class GemmPlan:
     @classmethod
     def measure(cls, linears: list, buckets: list[int]) -> GemmPlan:
         plan = cls(linears)
-        shapes = {shape_of(m): m for m in linears}
-        for shape, module in shapes.items():
+        timed = [b for b in buckets if b >= MIN_ROWS]
+        if not timed:  # no weight copies for nothing: every graph keeps cuBLAS
+            return plan
+        for shape, module in {shape_of(m): m for m in linears}.items():
             copies = cold_copies(module.weight)
-            for rows in (b for b in buckets if b >= MIN_ROWS):
+            for rows in timed:
                 plan._choose(shape, copies, module.bias, rows)
         return plan
 
