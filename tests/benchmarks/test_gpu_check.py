@@ -36,7 +36,10 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     served = report["decode"]["graphs_async_process"]  # the core in its own process, stepping on its own
     assert [row["batch"] for row in served] == [4] and served[0]["steps"] >= 4 and served[0]["tok_s"] > 0, served
     assert served[0]["tokens"] == 4 * served[0]["steps"] and served[0]["steps_ahead"] > 0, served
-    assert 0 < served[0]["phases_ms"]["forward"] < served[0]["step_ms"], served
+    # the phases come with the core's step counts, the step time from the front end's clock between two snapshots: the
+    # windows differ by a snapshot's delivery, so on a CPU, where the forward is nearly the whole step, the forward a
+    # step may read a few hundredths of a ms over the step (231.776 against 231.716 in one CI run)
+    assert 0 < served[0]["phases_ms"]["forward"] < 1.05 * served[0]["step_ms"], served
     assert report["goals"]["decode_50pct_roofline"]["core_process_tok_s"] == served[0]["tok_s"]
     assert report["engine_static"]["tokens"] == report["engine_static_async"]["tokens"] == report["hf_static"]["tokens"] == 4 * 8
     static, static_async = report["engine_static"], report["engine_static_async"]
