@@ -56,6 +56,7 @@ def instrumented(llm: LLM, clock: PhaseClock):
     llm_engine = llm.engine
     targets = [(llm_engine.runner, "execute", "model"), (llm_engine, "sampler", "sampler"),
                (engine.detokenizer.IncrementalDetokenizer, "add", "detokenizer"),
+               (engine.detokenizer.ByteLevelDetokenizer, "add", "detokenizer"),
                (llm_engine.scheduler, "schedule", "scheduler"), (llm.outputs, "process", "front end")]
     if not llm_engine.config.compile:  # a clock inside a compiled graph would break it
         targets += [(torch.nn.Linear, "forward", "linear"), (engine.layers.linear.Linear, "forward", "linear"),

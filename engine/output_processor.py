@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from engine.core_messages import CoreOutput, EngineRequest
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import BytePieces, ByteLevelDetokenizer, IncrementalDetokenizer, detokenizer_for
 from engine.errors import EngineInputError
 from engine.admission import check_admission
 from engine.sampling_params import SamplingParams
@@ -82,7 +82,7 @@ class RequestText:
 
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | ByteLevelDetokenizer
     stop_holdback: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -99,6 +99,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer  # this processor's own: see the module's docstring
         self.eos_token_ids = set(eos_token_ids)
         self.requests: dict[str, RequestText] = {}
+        self.pieces = BytePieces.of(tokenizer)  # built once: ~0.2 s for a 152k vocabulary
 
     def add(self, request: EngineRequest, final_only: bool = False) -> None:
         """Track a request before the core can answer for it; EngineInputError for an id already in flight.
@@ -109,7 +110,8 @@ class OutputProcessor:
         self.requests[request.request_id] = RequestText(
             prompt_token_ids=request.prompt_token_ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+            detokenizer=detokenizer_for(self.tokenizer, self.pieces, request.prompt_token_ids,
+                                        params.skip_special_tokens),
             stop_holdback=max((len(s) for s in params.stop_strings), default=1) - 1,
             logprobs=[] if params.logprobs is not None else None,
             output_at=math.inf if final_only else 0,
