@@ -116,12 +116,17 @@ class ModelRunner:
 
     def _gemm_plan(self, buckets: list[int]) -> GemmPlan | None:
         from engine.gemm_plan import GemmPlan, plannable  # imports triton: only where it runs
+        from engine.models.llama import MLP
 
-        linears = [m for m in self.model.model.layers.modules() if isinstance(m, Linear) and plannable(m)]
+        layers = self.model.model.layers
+        linears = [m for m in layers.modules() if isinstance(m, Linear) and plannable(m)]
         if not linears:
             return None
+        # gate/up projections that may write the MLP's activation: not under LoRA, which adds to their own output
+        mlps = [m for m in layers.modules() if isinstance(m, MLP)]
+        gated = [m.gate_up_proj for m in mlps if m.gate_up_proj.lora is None and any(m.gate_up_proj is x for x in linears)]
         started = time.perf_counter()
-        plan = GemmPlan.measure(linears, buckets)
+        plan = GemmPlan.measure(linears, buckets, gated, mlps[0].activation if gated else None)
         torch.cuda.empty_cache()  # the timed weight copies
         log.info("linear kernels timed in %.1f s: %s", time.perf_counter() - started, plan.summary())
         return plan

@@ -66,6 +66,12 @@ class Linear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACKING_ROWS_HINT)
             self.weight = None
 
+    @property
+    def writes_activation(self) -> bool:
+        """A merged gate/up projection whose tiling writes the MLP's SiLU(gate) * up (engine/gemm_plan.py): its output
+        is the activation's. Never under LoRA (the plan offers it none where there is one)."""
+        return self.tiling is not None and self.tiling.gated
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         return y if self.lora is None else self.lora.add_to(x, y)

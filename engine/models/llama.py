@@ -89,7 +89,12 @@ class MLP(nn.Module):
         self.fused = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden), self.fused))
+        if self.gate_up_proj.writes_activation:  # in the projection's epilogue (a captured graph's plan)
+            return self.down_proj(self.gate_up_proj(hidden))
+        return self.down_proj(self.activation(self.gate_up_proj(hidden)))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up, self.fused)
 
 
 class DecoderLayer(nn.Module):

@@ -1,13 +1,18 @@
 """The linears' kernel plan (`engine/gemm_plan.py`): what it steers and when, with the Triton linear on CUDA where
 there is one, else on CPU under triton's interpreter; timed against cuBLAS and captured in a graph on CUDA (marker
 `gpu`)."""
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.gemm_plan import GemmPlan, Shape, plannable, shape_of
-from engine.kernels.triton.matmul import Tiling
+from engine.kernels.triton.fused_ops import TritonFusedOps
+from engine.kernels.triton.matmul import TILINGS, Tiling
 from engine.layers.linear import Linear
+from engine.models.llama import MLP
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,6 +79,59 @@ def test_the_plan_keeps_a_tiling_only_where_it_timed_faster_and_skips_one_that_f
     assert plan.step_us(64) == (10.0, 7.0) and "at 128 rows 10 us on cuBLAS, 10 us as planned" in plan.summary()
 
 
+def test_a_gate_up_projection_is_timed_with_the_activation_and_may_write_it(monkeypatch):
+    """A gated shape's baseline is cuBLAS then the activation; the plain tilings run before the activation too, the
+    gated ones (one slice of K) write it themselves. With the clock faked, a gated tiling at 6 us beats 10 and 12."""
+    import engine.gemm_plan as gemm_plan
+
+    winner = dataclasses.replace(TILINGS[4], gated=True)
+    fed = []
+
+    def fake_time(call, weights):
+        before = len(fed)
+        call(weights[0])
+        return 10.0 if len(fed) == before else 6.0 if fed[-1] == winner else 12.0  # cuBLAS, or a tiling
+
+    def counting_matmul(x, weight, bias, tiling):
+        fed.append(tiling)
+        return real_matmul(x, weight, bias, tiling)
+
+    real_matmul = gemm_plan.matmul
+    monkeypatch.setattr(gemm_plan, "time_calls", fake_time)
+    monkeypatch.setattr(gemm_plan, "matmul", counting_matmul)
+    gate_up, down = linear(80, 96, False, DEVICE), linear(96, 40, False, DEVICE, seed=1)
+    activations = []
+    plan = GemmPlan.measure([gate_up, down], [64], gated=[gate_up],
+                            activation=lambda y: activations.append(y.shape) or TritonFusedOps.silu_and_mul(y))
+    one_slice = [dataclasses.replace(t, gated=True) for t in TILINGS if t.split_k == 1]
+    assert fed[:len(TILINGS) + len(one_slice)] == list(TILINGS) + one_slice and len(one_slice) == 4
+    assert activations == [(64, 80)] * (1 + len(TILINGS)), "after cuBLAS and after each plain tiling"
+    assert plan.chosen == {(Shape(80, 96, False, gated=True), 64): winner}
+    assert [(t["out"], t["gated"], t["best_us"]) for t in plan.timings] == [(80, True, 6.0), (96, False, 10.0)]
+    with plan.applied(64):
+        assert gate_up.writes_activation and down.tiling is None
+    assert not gate_up.writes_activation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_mlp_whose_gate_up_projection_writes_the_activation_gives_the_same_output(dtype):
+    """On a gated tiling the MLP skips its activation kernel, and its output is, to the bit, what the same tiling
+    then the activation kernel give: the graphs' fused MLP changes no token. (An intermediate size on the tiles:
+    numpy's matmul under the interpreter rounds an fp32 column by its place in the tile.)"""
+    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=128)).to(DEVICE, dtype)
+    generator = torch.Generator().manual_seed(11)
+    for module in (mlp.gate_up_proj, mlp.down_proj):
+        module.weight.data = (torch.randn(module.weight.shape, generator=generator) / 8).to(DEVICE, dtype)
+    mlp.fused = TritonFusedOps()
+    hidden = torch.randn(70, 64, generator=generator).to(DEVICE, dtype)
+    plain = Tiling(64, 64, 128, 1)
+    mlp.gate_up_proj.tiling = plain
+    expected = mlp(hidden)
+    mlp.gate_up_proj.tiling = dataclasses.replace(plain, gated=True)
+    mlp.activation = None  # the gated path must not call it
+    assert torch.equal(mlp(hidden), expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_plan_keeps_the_faster_kernel_and_a_graph_replays_it():
@@ -81,11 +139,12 @@ def test_on_a_gpu_the_plan_keeps_the_faster_kernel_and_a_graph_replays_it():
     captured inside `applied` replays the same values as the eager cuBLAS call, to bf16's rounding."""
     down, gate_up = linear(1536, 8960, False, "cuda", torch.bfloat16), linear(17920, 1536, False, "cuda", torch.bfloat16, 1)
     assert plannable(down) and plannable(gate_up)
-    plan = GemmPlan.measure([down, gate_up], [1, 8, 64, 256])
-    assert sorted((t["out"], t["rows"]) for t in plan.timings) == [(1536, 64), (1536, 256), (17920, 64), (17920, 256)]
+    plan = GemmPlan.measure([down, gate_up], [1, 8, 64, 256], gated=[gate_up], activation=TritonFusedOps.silu_and_mul)
+    assert sorted((t["out"], t["rows"], t["gated"]) for t in plan.timings) == \
+        [(1536, 64, False), (1536, 256, False), (17920, 64, True), (17920, 256, True)]
     for t in plan.timings:
         assert 0 < t["best_us"] <= t["cublas_us"]
-        won = (Shape(t["out"], t["in"], False), t["rows"]) in plan.chosen
+        won = (Shape(t["out"], t["in"], False, t["gated"]), t["rows"]) in plan.chosen
         assert won == (t["tiling"] is not None) == (t["best_us"] < t["cublas_us"])
     x = torch.randn(256, 8960, device="cuda").to(torch.bfloat16)
     down.tiling = Tiling(64, 64, 128, 4)  # a split tiling, whatever the plan chose
@@ -96,3 +155,8 @@ def test_on_a_gpu_the_plan_keeps_the_faster_kernel_and_a_graph_replays_it():
     down.tiling = None
     graph.replay()
     torch.testing.assert_close(y, down(x), rtol=2e-2, atol=2e-2)
+    hidden = torch.randn(256, 1536, device="cuda").to(torch.bfloat16)
+    gate_up.tiling = Tiling(64, 128, 64, 1, gated=True)  # the activation from the epilogue, on the GPU's own MMA
+    activated = gate_up(hidden)
+    gate_up.tiling = None
+    torch.testing.assert_close(activated, TritonFusedOps.silu_and_mul(gate_up(hidden)), rtol=2e-2, atol=2e-2)

@@ -1,4 +1,4 @@
-"""What the attention kernels share: constants and how they take their matrix products."""
+"""What the kernels share: constants, how they take their matrix products, and device helpers."""
 from __future__ import annotations
 
 import os
@@ -73,6 +73,14 @@ def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, LARGEST: 
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
+def _silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
+    """SiLU(gate) * up from fp32 gate and up, in OUT_DTYPE; SiLU's output rounded to OUT_DTYPE first, as F.silu's
+    is. The activation kernel and the linear that applies it as it loads (matmul.py's GATED) share it, so both give
+    the same values to the bit."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)
+    return (act * up).to(OUT_DTYPE)
+
+
 # Under triton's interpreter every call of a jit function from a kernel patches triton.language anew (~1 ms of
 # Python, triton 3.9; triton's own tl.cdiv, tl.zeros, tl.max and tl.sum are such functions): about a fifth of an
 # interpreted engine step was that. There this helper is plain Python, which the interpreted kernel calls as it would
@@ -80,6 +88,7 @@ def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, LARGEST: 
 load_kv_tile = _load_kv_tile if INTERPRETED else triton.jit(_load_kv_tile)
 round_to_fp8 = _round_to_fp8 if INTERPRETED else triton.jit(_round_to_fp8)
 soft_cap = _soft_cap if INTERPRETED else triton.jit(_soft_cap)
+silu_mul = _silu_mul if INTERPRETED else triton.jit(_silu_mul)
 
 
 def score_shape_args(shape, scaling: float) -> tuple[tuple, dict]:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import round_to_fp8
+from engine.kernels.triton.common import round_to_fp8, silu_mul
 from engine.kernels.triton.kv_write import fp8_format
 from engine.kernels.triton.launch import Launch
 
@@ -111,8 +111,7 @@ def _silu_and_mul_kernel(gate_up, out, tokens, inner, BLOCK_T: tl.constexpr, BLO
     rows = token.to(tl.int64)[:, None]
     gate = tl.load(gate_up + rows * (2 * inner) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up + rows * (2 * inner) + inner + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)  # rounded as F.silu's output is
-    tl.store(out + rows * inner + cols[None, :], (act * up).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + rows * inner + cols[None, :], silu_mul(gate, up, out.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm_launch(x, residual, weight, normed, total, eps: float) -> Launch:

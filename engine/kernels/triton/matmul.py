@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import dot_flags
+from engine.kernels.triton.common import dot_flags, silu_mul
 from engine.kernels.triton.launch import Launch
 
 
@@ -30,6 +30,10 @@ class Tiling:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    # the weight is a merged gate/up projection's [2N, K], and a program computes a tile of the gate and the same
+    # tile of up, and writes SiLU(gate) * up [M, N]: the MLP's activation in the projection's epilogue, one kernel
+    # and a [M, 2N] write and read fewer a layer. Never split along K (the activation needs the whole sum)
+    gated: bool = False
 
 
 # What the plan tries beside cuBLAS, for 64 rows and more: 64-row tiles (one Hopper warpgroup's MMA) with K cut in 1
@@ -42,7 +46,7 @@ TILINGS = (Tiling(64, 64, 128, 1), Tiling(64, 64, 128, 2), Tiling(64, 64, 128, 4
 @triton.jit
 def _matmul_kernel(x, w, bias, y, partial, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                   SPLIT_K: tl.constexpr, GATED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     tiles_m = (M + BLOCK_M - 1) // BLOCK_M
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -56,17 +60,26 @@ def _matmul_kernel(x, w, bias, y, partial, M, N, K, stride_xm, stride_wn, stride
     w_rows = w + rn.to(tl.int64)[:, None] * stride_wn
     m_ok, n_ok = (rm < M)[:, None], (rn < N)[:, None]
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    acc_up = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)  # read only where GATED: dead code elsewhere
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + rk
         k_ok = (k < k_end)[None, :]
         a = tl.load(x_rows + k[None, :], mask=m_ok & k_ok, other=0.0).to(DOT_DTYPE)
         b = tl.load(w_rows + k[None, :], mask=n_ok & k_ok, other=0.0).to(DOT_DTYPE)
         acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
+        if GATED:  # the up rows, N below the gate rows
+            b = tl.load(w_rows + N * stride_wn + k[None, :], mask=n_ok & k_ok, other=0.0).to(DOT_DTYPE)
+            acc_up += tl.dot(a, tl.trans(b), input_precision=PRECISION)
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y.dtype.element_ty), mask=out_mask)
+        out = acc.to(y.dtype.element_ty)
+        if GATED:  # each half rounded as the projection's own output would be, then the activation kernel's math
+            if HAS_BIAS:
+                acc_up += tl.load(bias + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            out = silu_mul(out.to(tl.float32), acc_up.to(y.dtype.element_ty).to(tl.float32), y.dtype.element_ty)
+        tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], out, mask=out_mask)
     else:  # partial [SPLIT_K, M, N] fp32, contiguous
         offsets = (split * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
         tl.store(partial + offsets, acc, mask=out_mask)
@@ -92,8 +105,9 @@ SUM_COLUMNS = 1024
 def matmul_launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                     tiling: Tiling) -> list[Launch]:
     rows, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if tiling.gated else weight.shape[0]  # gated: the output is the activation's [M, N]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and y.stride(1) == 1 and weight.shape[1] == k
+    assert not tiling.gated or (tiling.split_k == 1 and weight.shape[0] % 2 == 0), "gated: one slice, gate/up rows"
     block_m = tiling.block_m
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, tiling.block_n)
     split = tiling.split_k
@@ -103,7 +117,8 @@ def matmul_launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                        (x, weight, bias if bias is not None else weight, y, partial, rows, n, k, x.stride(0),
                         weight.stride(0), y.stride(0)),
                        dict(HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=tiling.block_n,
-                            BLOCK_K=tiling.block_k, SPLIT_K=split, **dot_flags(x.dtype)), options)]
+                            BLOCK_K=tiling.block_k, SPLIT_K=split, GATED=tiling.gated, **dot_flags(x.dtype)),
+                       options)]
     if split > 1:
         launches.append(Launch(_split_sum_kernel, (rows, triton.cdiv(n, SUM_COLUMNS)),
                                (partial, bias if bias is not None else weight, y, rows, n, y.stride(0)),
@@ -112,8 +127,9 @@ def matmul_launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiling: Tiling) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] in x's dtype, accumulated in fp32."""
-    y = x.new_empty((x.shape[0], weight.shape[0]))
+    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] in x's dtype, accumulated in fp32; with a gated tiling the
+    weight is [2N, K] (gate rows, then up rows) and the result SiLU(gate) * up, [M, N]."""
+    y = x.new_empty((x.shape[0], weight.shape[0] // (2 if tiling.gated else 1)))
     if x.shape[0]:
         for launch in matmul_launches(x, weight, bias, y, tiling):
             launch.run()

@@ -68,6 +68,9 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, cache_dtype: torch.d
         "matmul": matmul_launches(hidden, weight, weight[:, 0], projected, Tiling(64, 64, 128, 1))[0],
         "matmul_split": split_matmul[0],
         "matmul_sum": split_matmul[1],
+        # the merged gate/up projection that writes SiLU(gate) * up, with the bias its halves may have
+        "matmul_gated": matmul_launches(hidden, torch.cat([weight, weight]), weight[:, 0].repeat(2), projected,
+                                        Tiling(64, 64, 128, 1, gated=True))[0],
         "silu_and_mul": silu_and_mul_launch(hidden, hidden[:, : hidden.shape[1] // 2]),
         "greedy_parts": greedy_launches(hidden, lens, -1)[0],
         "greedy_merge": greedy_launches(hidden, lens, -1)[1],
@@ -116,7 +119,7 @@ def test_every_kernel_compiles_for_the_gpu_targets():
         assert compiler.returncode == 0, stderr[-3000:]
         results.update(json.loads(stdout.splitlines()[-1]))
     fp8 = sum(len(targets) for _, _, targets in FP8_CASES) * len(FP8_KERNELS)
-    assert len(results) == len(CASES) * 19 * len(GPU_TARGETS) + fp8
+    assert len(results) == len(CASES) * 20 * len(GPU_TARGETS) + fp8
     failed = {key: value for key, value in results.items() if not isinstance(value, int) or value < 1000}
     assert not failed, failed
 
