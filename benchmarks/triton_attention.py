@@ -52,8 +52,10 @@ PREFILL_TILINGS = [{}, dict(num_stages=2), dict(num_warps=8), dict(rows_per_prog
                    dict(rows_per_program=128, num_warps=8, num_stages=3),
                    dict(rows_per_program=128, num_warps=8, num_stages=4),
                    dict(rows_per_program=128, tile=32, num_warps=8, num_stages=3)]
+# splits: the context cut into parts even where (sequence, KV head) pairs outnumber the SMs (the engine splits only
+# below that): at batch 256 and ~160 tokens a program reads 3 tiles one after another, latency more than bandwidth
 DECODE_TILINGS = [{}, dict(tile=32), dict(tile=128), dict(tile=128, num_warps=8), dict(tile=256, num_warps=8),
-                  dict(num_warps=2)]
+                  dict(num_warps=2), dict(tile=32, num_stages=2), dict(splits=2), dict(splits=4, tile=32)]
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -185,7 +187,8 @@ def tiling_cases(device: str, repeats: int) -> list[dict]:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
     # (256, 160): about the batch and context of make gpu-check's judged decode step (128-token prompts, ~32 steps)
     prefill_tokens, decode_shapes = (4096, [(256, 160), (256, 2048), (1, 32768)]) if cuda else (80, [(3, 100)])
-    tilings = (PREFILL_TILINGS, DECODE_TILINGS) if cuda else (PREFILL_TILINGS[:1] + PREFILL_TILINGS[-1:], DECODE_TILINGS[:3])
+    tilings = (PREFILL_TILINGS, DECODE_TILINGS) if cuda else (PREFILL_TILINGS[:1] + PREFILL_TILINGS[-1:],
+                                                              DECODE_TILINGS[:3] + DECODE_TILINGS[-1:])
 
     def prefill_runner(tokens):
         query, k, v, tables, starts, lens = prefill_inputs(tokens, device)
@@ -197,7 +200,12 @@ def tiling_cases(device: str, repeats: int) -> list[dict]:
         query, k, v, tables, lens = decode_inputs(batch, context, device)
         out = torch.empty_like(query)
         splits = num_splits_for(batch, KV_HEADS, context, num_sms)
-        return out, lambda tiling: decode_launches(query, k, v, tables, lens, HEAD_DIM**-0.5, splits, out, **tiling)
+
+        def launches(tiling: dict):
+            options = dict(tiling)
+            return decode_launches(query, k, v, tables, lens, HEAD_DIM**-0.5, options.pop("splits", splits), out,
+                                   **options)
+        return out, launches
 
     shapes = [("prefill", 1, prefill_tokens, prefill_runner(prefill_tokens), tilings[0])]
     shapes += [("decode", b, c, decode_runner(b, c), tilings[1]) for b, c in decode_shapes]
@@ -221,7 +229,7 @@ def tiling_cases(device: str, repeats: int) -> list[dict]:
 
 
 def _label(tiling: dict) -> str:
-    names = {"rows_per_program": "rows", "tile": "tile", "num_warps": "warps", "num_stages": "stages"}
+    names = {"rows_per_program": "rows", "tile": "tile", "num_warps": "warps", "num_stages": "stages", "splits": "splits"}
     return " ".join(f"{names[key]}={value}" for key, value in tiling.items()) or "default"
 
 
