@@ -80,6 +80,7 @@ SIZES = {
                   ["tests/engine/kernels/test_triton_attention.py", "tests/engine/kernels/test_triton_fused_ops.py",
                    "tests/engine/kernels/test_triton_greedy.py", "tests/engine/kernels/test_triton_nucleus.py",
                    "tests/engine/kernels/test_triton_matmul.py", "tests/engine/test_gemm_plan.py",
+                   "tests/engine/test_split_plan.py",
                    "tests/engine/test_synthetic_models.py", "tests/engine/test_async_scheduling.py",
                    "tests/engine/test_cuda_graphs.py", "tests/engine/test_lora.py", "tests/engine/test_embeddings.py",
                    "tests/engine/test_score_shapes.py",
@@ -430,9 +431,13 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
             results["graphs"] = {"buckets": settings.get("cuda_graphs"),
                                  "memory_mib": round(graphs.memory_bytes / 2**20, 1) if graphs is not None else None,
                                  # per decoder linear shape and bucket: cuBLAS's us a call against the best tiling's
-                                 "gemm_plan": plan.timings if plan is not None else None}
+                                 "gemm_plan": plan.timings if plan is not None else None,
+                                 # per bucket: the decode attention's us a call by "splits x context", the count taken
+                                 "split_plan": splits.timings if (splits := engine.runner.split_plan) else None}
             if plan is not None:
                 log(f"linear kernels: {plan.summary()}")
+            if splits is not None:
+                log(f"decode attention splits: {splits.summary()}")
         del llm, engine
         gc.collect()  # the engine's cycles hold its KV pool: the next engine profiles free memory without it
         if device == "cuda":
@@ -452,8 +457,9 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
 
 
 def graphs_engine(path: str, device: str, dtype, sizes: Sizes, log: Log, failures: list[str]):
-    """The engine with CUDA graphs and the linears' plan (engine/gemm_plan.py, new and not yet run on a GPU); if that
-    engine fails to start, the failure is a check's, and the rest is measured on cuBLAS rather than lost."""
+    """The engine with CUDA graphs, the linears' plan and the attention's split counts timed (engine/gemm_plan.py,
+    engine/split_plan.py; neither yet run on a GPU); if that engine fails to start, the failure is a check's, and the
+    rest is measured on cuBLAS and the split rule rather than lost."""
     import torch
 
     from engine import LLM
@@ -463,12 +469,13 @@ def graphs_engine(path: str, device: str, dtype, sizes: Sizes, log: Log, failure
     except Exception as error:
         import traceback
 
-        log(f"the graphs engine with gemm_tuning failed; again without:\n{traceback.format_exc()}")
-        failures.append(f"graphs engine with gemm_tuning: {type(error).__name__}: {error}")
+        log(f"the graphs engine with gemm_tuning and split_tuning failed; again without:\n{traceback.format_exc()}")
+        failures.append(f"graphs engine with gemm_tuning and split_tuning: {type(error).__name__}: {error}")
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-        return LLM(**engine_args(path, device, dtype, sizes), enforce_eager=False, gemm_tuning=False)
+        return LLM(**engine_args(path, device, dtype, sizes), enforce_eager=False, gemm_tuning=False,
+                   split_tuning=False)
 
 
 def engine_args(path: str, device: str, dtype, sizes: Sizes) -> dict:

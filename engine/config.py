@@ -98,6 +98,11 @@ class EngineConfig(BaseModel):
         "with CUDA graphs in bf16/fp16: at start-up, time each decoder linear's shape at every graph bucket of 64 "
         "rows and more on cuBLAS and on the Triton tilings (engine/gemm_plan.py), and capture each graph on the "
         "fastest; False: cuBLAS throughout"))
+    split_tuning: bool = Field(default=True, description=(
+        "with CUDA graphs on the Triton attention: at start-up, time the decode kernel at each split count "
+        "(flash-decoding's parts of a sequence's context) for every graph bucket at a few context lengths, and capture "
+        "each graph on the count fastest overall (engine/split_plan.py); False: the kernel's rule (split only where "
+        "a batch's (sequence, KV head) pairs are fewer than the SMs)"))
     async_scheduling: bool = Field(default=False, description=(
         "launch the next decode step before reading this one's tokens, so the host's scheduling and input "
         "preparation overlap the GPU's forward (vLLM's flag); for decode steps whose rows draw from their logits "

@@ -3,9 +3,9 @@
 
 Timed at start-up, before the CUDA graphs are captured, for the buckets of MIN_ROWS rows and more, where the first
 H100 run saw cuBLAS at a third of the part's peak on the narrow projections; each candidate is timed as a graph of
-CALLS calls over enough copies of the weight that L2 does not hold them, as a step reads each layer's weights once.
-Only the captured graphs take a tiling: an eager step launches triton's kernels through Python, tens of
-microseconds each on the host, and keeps cuBLAS.
+calls over enough copies of the weight that L2 does not hold them (engine/kernel_timing.py), as a step reads each
+layer's weights once. Only the captured graphs take a tiling: an eager step launches triton's kernels through Python,
+tens of microseconds each on the host, and keeps cuBLAS.
 
 A merged gate/up projection whose output goes through the MLP's SiLU(gate) * up (`gated`) is timed with the
 activation: cuBLAS or a tiling then the activation's kernel, against gated tilings that write the activation from
@@ -14,7 +14,6 @@ their epilogue (one kernel and a [rows, 2 * intermediate] write and read fewer a
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -22,13 +21,12 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from engine.kernel_timing import time_calls
 from engine.kernels.triton.matmul import TILINGS, Tiling, matmul
 
 log = logging.getLogger(__name__)
 
 MIN_ROWS = 64
-CALLS = 10  # calls a timed graph holds
-REPLAYS = 5  # timed replays of it; the median counts
 COLD_BYTES = 256 << 20  # weight copies a timed graph cycles through: more than any GPU's L2
 
 
@@ -140,23 +138,3 @@ def plannable(module) -> bool:
     weight = getattr(module, "weight", None)
     return (weight is not None and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
             and module.bnb is None and module.blocks is None)
-
-
-def time_calls(call, weights: list[torch.Tensor]) -> float:
-    """Microseconds a call, as the median of REPLAYS replays of a graph of CALLS calls cycling through `weights`."""
-    call(weights[0])  # compiles a triton kernel outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(weights[i % len(weights)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(samples)

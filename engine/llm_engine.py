@@ -85,7 +85,8 @@ class LLMEngine:
         # bitsandbytes' NF4/int8 kernels have never been captured here on a GPU: eager until measured
         if self.device.type == "cuda" and not config.enforce_eager and self.model.impl == "native" \
                 and self.attention_backend == "triton" and config.quantization is None:
-            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, gemm_tuning=config.gemm_tuning)
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, gemm_tuning=config.gemm_tuning,
+                                       split_tuning=config.split_tuning)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.scheduling_policy == "priority")

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from engine.gemm_plan import GemmPlan
     from engine.layers.lora import LoRAStep
     from engine.models import Model
+    from engine.split_plan import SplitPlan
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class ModelRunner:
             self.num_splits_for = num_splits_for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs; see capture_graphs
+        self.split_plan: SplitPlan | None = None  # the graphs' decode attention split counts, where timed
         self.lora_step: LoRAStep | None = getattr(model, "lora_step", None)  # which rows run which LoRA adapter
         self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
         self.decode_kernel = decode_kernel
@@ -103,16 +105,32 @@ class ModelRunner:
         return pool.zero_()
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True,
-                       gemm_tuning: bool = False) -> DecodeGraphs:
+                       gemm_tuning: bool = False, split_tuning: bool = False) -> DecodeGraphs:
         """Decode steps of up to max_num_seqs sequences replay CUDA graphs from now on (capture=False: the same
         buffers, run eagerly; tests on CPU). Call after the KV pool is allocated: the graphs hold its address.
-        `gemm_tuning`: the layers' linears take the Triton tiling that times faster than cuBLAS, bucket by bucket."""
-        kv_heads = self.kv_cache.shape[2]
-        plan = self._gemm_plan(batch_buckets(max_num_seqs)) if gemm_tuning and capture else None
+        `gemm_tuning`: the layers' linears take the Triton tiling that times faster than cuBLAS, bucket by bucket;
+        `split_tuning`: the decode attention's split count that times fastest, bucket by bucket."""
+        kv_heads, buckets = self.kv_cache.shape[2], batch_buckets(max_num_seqs)
+
+        def rule(bucket: int) -> int:
+            return self.num_splits_for(bucket, kv_heads, max_model_len, self.num_sms)
+
+        plan = self._gemm_plan(buckets) if gemm_tuning and capture else None
+        if split_tuning and capture:
+            self.split_plan = self._split_plan(buckets, max_model_len, rule)
+        splits = self.split_plan.splits if self.split_plan is not None else rule
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.kv_layers, self.block_size, max_num_seqs,
-                                   max_model_len, lambda b: self.num_splits_for(b, kv_heads, max_model_len, self.num_sms),
-                                   capture, plan)
+                                   max_model_len, splits, capture, plan)
         return self.graphs
+
+    def _split_plan(self, buckets: list[int], max_model_len: int, rule) -> SplitPlan:
+        from engine.split_plan import SplitPlan  # imports triton: only where it runs
+
+        started = time.perf_counter()
+        plan = SplitPlan.measure(self.kv_layers, self.model.config.num_attention_heads, self.dtype, buckets,
+                                 max_model_len, rule)
+        log.info("decode attention's splits timed in %.1f s: %s", time.perf_counter() - started, plan.summary())
+        return plan
 
     def _gemm_plan(self, buckets: list[int]) -> GemmPlan | None:
         from engine.gemm_plan import GemmPlan, plannable  # imports triton: only where it runs
