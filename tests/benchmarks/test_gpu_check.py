@@ -46,6 +46,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert static["num_steps"] >= 8 and static["num_steps_ahead"] == 0 < static_async["num_steps_ahead"]
     assert static["phases_s"]["forward"] > 0 and static_async["phases_s"]["forward"] > 0
     assert report["prefill"]["tokens"] == 256 and report["kv"]["blocks"] == 256
+    assert report["graphs"]["gemm_plan"] is None is report["graphs"]["split_plan"]  # timed only on CUDA
     assert len(report["attention_kernels"]) == 13
     profiles = report["step_profile"]
     assert [(p["batch"], p["async_scheduling"]) for p in profiles] == [(4, False), (4, True)]
