@@ -5,6 +5,7 @@ import torch
 
 import engine.split_plan as split_plan
 from engine.split_plan import SplitPlan, decode_inputs
+from tests.fixtures.triton_interpreter import cpu_triton_marks
 
 
 def pool(layers: int, num_blocks: int, device="cpu", dtype=torch.float32, kv_heads=2, block_size=16, head_dim=64):
@@ -60,6 +61,33 @@ def test_a_bucket_where_every_count_failed_keeps_the_rule(monkeypatch):
     fake_clock(monkeypatch, lambda s, c: RuntimeError("out of resources"))
     plan = SplitPlan.measure(pool(1, 64), 2, torch.float32, [64], 4096, rule=lambda b: 1)
     assert plan.chosen == {} and plan.splits(64) == 1 and plan.timings[0]["us"] == {}
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=cpu_triton_marks())])
+def test_every_timed_count_runs_the_real_kernel_and_computes_one_splits_output(monkeypatch, device):
+    """The timed calls as the plan makes them, on the real kernel (under triton's interpreter here), with only the
+    clock faked: at every context every candidate count computes what one split computes, into the given buffer."""
+    from engine.kernels.triton.decode import decode_attention
+
+    seen = []
+
+    def checked(query, k, v, tables, lens, scale, splits, out):
+        got = decode_attention(query, k, v, tables, lens, scale, splits, out)
+        assert got is out
+        torch.testing.assert_close(got, decode_attention(query, k, v, tables, lens, scale, 1), rtol=1e-5, atol=1e-5)
+        seen.append((splits, int(lens[0])))
+
+    def fake_time(call, inputs):
+        call(inputs[0])
+        return 1.0 if seen[-1][0] == 4 else 2.0
+
+    monkeypatch.setattr(split_plan, "MIN_ROWS", 2)
+    monkeypatch.setattr(split_plan, "CONTEXTS", (20, 70))  # one tile; two tiles of 64 positions, the second ragged
+    monkeypatch.setattr(split_plan, "decode_attention", checked)
+    monkeypatch.setattr(split_plan, "time_calls", fake_time)
+    plan = SplitPlan.measure(pool(2, 16, kv_heads=1), 3, torch.float32, [2], 4096, rule=lambda b: 1)
+    assert plan.chosen == {2: 4}
+    assert sorted(seen) == sorted((s, c) for s in (1, 2, 4, 8, 16) for c in (20, 70))
 
 
 def test_timed_inputs_read_distinct_blocks_until_the_pool_wraps():
