@@ -133,5 +133,3 @@ def test_on_a_gpu_the_graphs_are_captured_with_the_plans_counts_and_give_the_eag
     prompts = [[5 + i, 17, 300 + 7 * i, 42] for i in range(64)]  # 64 rows: the timed bucket's graph
     tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens == [o.token_ids for o in LLM(enforce_eager=True, **args).generate(prompts, params, use_tqdm=False)]
-    stats = llm.engine.stats()
-    assert stats.kv_blocks_free == stats.kv_blocks_total
