@@ -27,6 +27,7 @@ from engine.kernels.triton.matmul import TILINGS, Tiling, matmul
 log = logging.getLogger(__name__)
 
 MIN_ROWS = 64
+PLANNED_DTYPES = (torch.bfloat16, torch.float16)  # the only weights the Triton GEMM ever runs on (`plannable`)
 COLD_BYTES = 256 << 20  # weight copies a timed graph cycles through: more than any GPU's L2
 
 
@@ -136,5 +137,5 @@ def plannable(module) -> bool:
     """A dense 16-bit CUDA linear: not quantized (bitsandbytes drops the dense weight), not on GGUF blocks. fp32
     keeps cuBLAS: the parity tests compare it with transformers' own F.linear."""
     weight = getattr(module, "weight", None)
-    return (weight is not None and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+    return (weight is not None and weight.is_cuda and weight.dtype in PLANNED_DTYPES
             and module.bnb is None and module.blocks is None)
