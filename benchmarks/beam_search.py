@@ -63,8 +63,11 @@ def main(
     model_dir = str(resolve_model_path(DEFAULT_MODEL))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batches = [passages(tokenizer, prompts, (prompt_tokens, prompt_tokens), seed) for seed in range(runs)]
-    llm = LLM(config=EngineConfig(dtype=dtype, num_threads=threads, num_kv_blocks=4096, max_num_seqs=256))
+    # four times the blocks the beams hold at their longest: no preemption, and no 3 GB fp32 pool to fault in
+    blocks = 4 * prompts * width * -(-(prompt_tokens + max_tokens) // EngineConfig().block_size) + 64
+    llm = LLM(config=EngineConfig(dtype=dtype, num_threads=threads, num_kv_blocks=blocks, max_num_seqs=256))
     ours = run_ours(llm, batches, width, max_tokens)
+    assert llm.engine.stats().num_preemptions == 0, "the KV pool ran out: preempted recomputes would be timed"
     del llm
     peer = None
     if vllm_python is not None:
