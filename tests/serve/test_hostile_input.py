@@ -308,7 +308,7 @@ async def test_requests_with_new_schemas_do_not_stall_another_clients_stream(bas
     assert max(gaps) < 1.0, f"{len(gaps)} gaps, longest {max(gaps):.2f} s"
 
 
-@pytest.mark.long  # 60-80 s; test_colocated.py sends half of it to the shipped topology in `make test`
+@pytest.mark.long  # 60-80 s; test_colocated.py sends a quarter of it to the shipped topology in `make test`
 async def test_echoed_prompts_scored_for_n_choices_do_not_stall_another_clients_stream(base_url, auth, replica_handle):
     """Issue 41 item 2's attack: 4 requests with `echo`, `logprobs` 5 and `n` 8 on 4,090-token prompts (each answer
     5 MB of JSON). The prompt is scored once for all n, in shares of an eighth of a step's budget, its scores cross
