@@ -444,9 +444,9 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
             torch.cuda.empty_cache()
     results["decode"]["graphs_async_process"] = [decode_in_process(path, device, dtype, sizes, log)]
     results["hf_static"] = hf_static(path, device, dtype, sizes.batches[-1], sizes)
-    from benchmarks.triton_attention import measure_kernels
+    from benchmarks.triton_attention import default_repeats, measure_kernels
 
-    _, results["attention_kernels"] = measure_kernels(device)
+    _, results["attention_kernels"] = measure_kernels(device, default_repeats(device))
     for row in results["attention_kernels"]:
         log(f"attention kernel: {row}")
     log(f"static batch {sizes.batches[-1]}: engine {results['engine_static']['tok_s']} tok/s "
@@ -579,9 +579,9 @@ def _stage(log: Log, name: str, run) -> list[str]:
 
 
 def _sweep(report: dict, log: Log) -> None:
-    from benchmarks.triton_attention import tiling_cases
+    from benchmarks.triton_attention import default_repeats, tiling_cases
 
-    report["kernel_tilings"] = tiling_cases("cuda", 10)
+    report["kernel_tilings"] = tiling_cases("cuda", default_repeats("cuda"))
     for row in report["kernel_tilings"]:
         log(f"kernel tiling: {row}")
 

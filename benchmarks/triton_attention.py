@@ -238,12 +238,10 @@ def default_repeats(device: str) -> int:
     return 10 if device == "cuda" else 1
 
 
-def measure_kernels(device: str, repeats: int | None = None) -> tuple[str, list[dict]]:
+def measure_kernels(device: str, repeats: int) -> tuple[str, list[dict]]:
     """(device name, rows): the decode grid, the prefill and the greedy sampler, each with its share of the device's
     peak if known."""
     import torch
-
-    repeats = repeats or default_repeats(device)
 
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -276,7 +274,7 @@ def main(device: str = typer.Option("cuda", help="cuda, or cpu: toy shapes under
          tilings: bool = typer.Option(True, help="also sweep the kernels' tilings")):
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel
-    repeats = repeats or default_repeats(device)
+    repeats = default_repeats(device) if repeats is None else repeats
     name, rows = measure_kernels(device, repeats)
     swept = tiling_cases(device, repeats) if tilings else []
     table = Table(title=f"Triton kernels on {name}: attention {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, bf16, blocks of "
