@@ -246,10 +246,10 @@ def measure_kernels(device: str, repeats: int) -> tuple[str, list[dict]]:
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         name, num_sms = props.name, props.multi_processor_count
-        batches, contexts, prefill, vocab, repeats = (1, 32, 256), (256, 2048, 32768), 4096, 151936, repeats
+        batches, contexts, prefill, vocab = (1, 32, 256), (256, 2048, 32768), 4096, 151936
     else:
         name, num_sms = "cpu (interpreter)", 4
-        batches, contexts, prefill, vocab, repeats = (1, 4), (64, 300), 96, 3000, 1
+        batches, contexts, prefill, vocab = (1, 4), (64, 300), 96, 3000
     rows = []
     for batch in batches:
         for context in contexts:
@@ -270,7 +270,7 @@ def measure_kernels(device: str, repeats: int) -> tuple[str, list[dict]]:
 @cli.command()
 def main(device: str = typer.Option("cuda", help="cuda, or cpu: toy shapes under triton's interpreter"),
          out: Path | None = typer.Option(None, help="a JSON file for the rows"),
-         repeats: int | None = typer.Option(None, help="timed calls a case [default: 10 on cuda, 1 on cpu]"),
+         repeats: int | None = typer.Option(None, min=1, help="timed calls a case [default: 10 on cuda, 1 on cpu]"),
          tilings: bool = typer.Option(True, help="also sweep the kernels' tilings")):
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines a kernel
