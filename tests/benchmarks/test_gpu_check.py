@@ -159,7 +159,9 @@ def test_tests_cut_off_by_the_budget_take_their_child_processes_with_them(tmp_pa
         "def test_stuck():\n"
         f"    child = subprocess.Popen(['sleep', '300'])\n    open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
         "    time.sleep(300)\n")
-    result = gpu_check.run_tests([str(tmp_path / "test_stuck.py"), "-p", "no:cacheprovider"],
+    # --rootdir: node ids are relative to it, and pytest otherwise infers it from where the clone and the temporary
+    # folder lie (a clone under /tmp got ids named from /tmp)
+    result = gpu_check.run_tests([str(tmp_path / "test_stuck.py"), "-p", "no:cacheprovider", f"--rootdir={tmp_path}"],
                                  gpu_check.Log(tmp_path / "gpu_check.log"), tmp_path, timeout_s=8)
     assert result["exit"] == "timeout after 8 s", result
     assert "test_passes PASSED" in (tmp_path / "pytest.log").read_text()
