@@ -10,7 +10,7 @@ import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput
@@ -18,12 +18,13 @@ from engine.core_protocol import EngineCore
 from engine.engine_stats import EngineStats
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.errors import EngineDeadError, EngineOverloadedError
-from engine.input_processor import InputProcessor, Prompt
 from engine.metrics import StepMetrics
-from engine.models import load_tokenizer
-from engine.output_processor import OutputProcessor, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported where the engine starts: torch and transformers load while its core process starts
+    from engine.input_processor import Prompt
+    from engine.output_processor import RequestOutput
 
 log = logging.getLogger(__name__)
 QUEUE_RETRY_S = 0.02  # a beam search's next step, when the queue was full
@@ -99,8 +100,10 @@ class AsyncLLMEngine:
         self.dead_reason: str | None = None
         # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs';
         # loaded while the core starts, as ProcessCore loaded its one before the split
+        # this module imports neither torch nor transformers: a Serve replica spawns its core process before the
+        # front end's own imports, which run here, on the tokenizers' thread, while the core starts
         with ThreadPoolExecutor(1, thread_name_prefix="load-tokenizers") as pool:
-            tokenizers = pool.submit(lambda: (load_tokenizer(config), load_tokenizer(config)))
+            tokenizers = pool.submit(_two_tokenizers, config)
             self.core: EngineCore
             if config.engine_process:
                 from engine.core_client import ProcessCore
@@ -111,6 +114,9 @@ class AsyncLLMEngine:
 
                 self.core = ThreadCore(config, self._dispatch, self._die)
             input_tokenizer, output_tokenizer = tokenizers.result()
+        from engine.input_processor import InputProcessor
+        from engine.output_processor import OutputProcessor
+
         limits = self.core.limits
         self.inputs = InputProcessor(config, input_tokenizer, limits, self.core.grammars)  # on callers' threads
         self.outputs = OutputProcessor(output_tokenizer, limits.eos_token_ids)  # on the thread that calls _dispatch
@@ -266,3 +272,9 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that caller's loop is closed; nobody is listening
         pass
+
+
+def _two_tokenizers(config: EngineConfig) -> tuple:
+    from engine.models.loader import load_tokenizer
+
+    return load_tokenizer(config), load_tokenizer(config)

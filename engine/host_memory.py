@@ -17,8 +17,10 @@ import ctypes.util
 import logging
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the core's client spawns the core before the front end imports torch
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -8,16 +8,15 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, EngineDeadError, EngineInputError, EngineOverloadedError, RequestOutput, SamplingParams
+from engine import AsyncLLMEngine, EngineDeadError, EngineInputError, EngineOverloadedError, SamplingParams
 from engine.async_engine import RequestStream
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
-from engine.detokenizer import TokenTexts
-from engine.models import load_tokenizer
 from engine.metrics import StepMetrics
 from engine.step_stats import freeze_gc_heap
 from serve_app.aio import all_or_none
@@ -26,6 +25,9 @@ from serve_app.config import AppArgs
 from serve_app.protocol import Admitted, Delta, EmbeddingJob, Embeddings, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob, Tokens
 from serve_app.metrics import RaySink
 from serve_app.reasoning import ReasoningFormat, reasoning_token_count
+
+if TYPE_CHECKING:
+    from engine.output_processor import RequestOutput
 
 log = logging.getLogger("ray.serve")
 
@@ -45,6 +47,9 @@ class EngineReplica:
         # shareable across threads), so streams on this replica keep flowing meanwhile.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.frontend = AsyncLLMEngine(args.engine_config)
+        from engine.detokenizer import TokenTexts  # torch and transformers: loaded while the core process started
+        from engine.models.loader import load_tokenizer
+
         self._token_texts = TokenTexts(load_tokenizer(args.engine_config))  # logprobs' token texts and echo, on the event loop
         # a scored prompt's thousands of entries are formatted on the tokenizer thread, with the tokenizer that thread
         # already uses for prompts (the front end's input half is only ever called there with text)

@@ -159,6 +159,32 @@ def test_the_core_dies_with_its_parent(tmp_path):
         parent.kill()
 
 
+def test_a_replica_spawns_its_core_before_it_imports_torch_or_transformers():
+    """A Serve replica's module and the front end's import neither, and AsyncLLMEngine spawns the core process
+    before its own input and output halves load: the front end's imports (about 3 s: torch and transformers, on the
+    tokenizers' thread) then run beside the core's start instead of before it."""
+    script = textwrap.dedent("""
+        import subprocess, sys
+        import serve_app.replica
+        from engine import AsyncLLMEngine
+        loaded = lambda *names: sorted(m for m in names if m in sys.modules)
+        print("imported:", loaded("torch", "transformers"), flush=True)
+
+        def spawn(*args, **kwargs):
+            print("at the spawn:", loaded("engine.input_processor", "engine.output_processor"), flush=True)
+            raise RuntimeError("stop here")
+
+        subprocess.Popen = spawn
+        try:
+            AsyncLLMEngine(engine_process=True)
+        except RuntimeError as exc:
+            assert str(exc) == "stop here", exc
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["imported: []", "at the spawn: []"]
+
+
 @in_module_loop
 async def test_repeated_starts_and_stops_leave_no_process_socket_or_block_behind():
     socket_dirs = lambda: set(Path(tempfile.gettempdir()).glob("engine-core-*"))  # noqa: E731
