@@ -98,21 +98,14 @@ class AsyncLLMEngine:
         self.config = config = config.model_copy(update=overrides) if overrides else config
         self._streams: dict[str, RequestStream] = {}
         self.dead_reason: str | None = None
-        # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs';
-        # loaded while the core starts, as ProcessCore loaded its one before the split
-        # this module imports neither torch nor transformers: a Serve replica spawns its core process before the
-        # front end's own imports, which run here, on the tokenizers' thread, while the core starts
+        # one tokenizer per thread that uses it (fast tokenizers are not shareable): callers' and the core's outputs'.
+        # This module imports neither torch nor transformers, so a Serve replica spawns its core process before the
+        # front end's own imports, which run on the tokenizers' thread while the core starts; the core's class is
+        # imported first, so that two threads never import at once
+        core_class = _core_class(config)
         with ThreadPoolExecutor(1, thread_name_prefix="load-tokenizers") as pool:
             tokenizers = pool.submit(_two_tokenizers, config)
-            self.core: EngineCore
-            if config.engine_process:
-                from engine.core_client import ProcessCore
-
-                self.core = ProcessCore(config, self._dispatch, self._die)
-            else:
-                from engine.core_thread import ThreadCore
-
-                self.core = ThreadCore(config, self._dispatch, self._die)
+            self.core: EngineCore = core_class(config, self._dispatch, self._die)
             input_tokenizer, output_tokenizer = tokenizers.result()
         from engine.input_processor import InputProcessor
         from engine.output_processor import OutputProcessor
@@ -272,6 +265,16 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that caller's loop is closed; nobody is listening
         pass
+
+
+def _core_class(config: EngineConfig) -> type[EngineCore]:
+    if config.engine_process:
+        from engine.core_client import ProcessCore
+
+        return ProcessCore
+    from engine.core_thread import ThreadCore
+
+    return ThreadCore
 
 
 def _two_tokenizers(config: EngineConfig) -> tuple:
