@@ -58,8 +58,13 @@ class ProcessCore:
         self._metrics_sink: MetricsSink | None = None
         self._closing = False
         self.dead_reason: str | None = None
-        self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process"], stdin=subprocess.PIPE,
-                                        env=core_environment(os.environ))
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process"], stdin=subprocess.PIPE,
+                                            env=core_environment(os.environ))
+        except BaseException:  # no child to shut down: its sockets' directory would be left behind
+            self._context.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         setup = CoreSetup(config.model_dump_json(), f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
         self.process.stdin.write(msgspec.json.encode(setup) + b"\n")
         self.process.stdin.flush()

@@ -29,6 +29,11 @@ CONFIG = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8, engine_process
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colours:"]
 
 
+def core_socket_dirs() -> set[Path]:
+    """The core processes' socket directories (ProcessCore's mkdtemp) now present."""
+    return set(Path(tempfile.gettempdir()).glob("engine-core-*"))
+
+
 def children_of(pid: int) -> set[int]:
     tasks = Path(f"/proc/{pid}/task")
     return {int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()}
@@ -142,8 +147,7 @@ def test_the_core_dies_with_its_parent(tmp_path):
         print(engine.stats().core_pid, flush=True)
         time.sleep(600)
     """)
-    socket_dirs = lambda: set(Path(tempfile.gettempdir()).glob("engine-core-*"))  # noqa: E731
-    before_dirs = socket_dirs()
+    before_dirs = core_socket_dirs()
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         core_pid = int(parent.stdout.readline())
@@ -154,7 +158,7 @@ def test_the_core_dies_with_its_parent(tmp_path):
         while alive(core_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(core_pid), "the core outlived its parent"
-        assert socket_dirs() == before_dirs, "the killed parent's socket directory was left behind"
+        assert core_socket_dirs() == before_dirs, "the killed parent's socket directory was left behind"
     finally:
         parent.kill()
 
@@ -180,15 +184,16 @@ def test_a_replica_spawns_its_core_before_it_imports_torch_or_transformers():
         except RuntimeError as exc:
             assert str(exc) == "stop here", exc
     """)
+    before_dirs = core_socket_dirs()
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines() == ["imported: []", "at the spawn: []"]
+    assert core_socket_dirs() == before_dirs, "a core that failed to spawn left its sockets' directory behind"
 
 
 @in_module_loop
 async def test_repeated_starts_and_stops_leave_no_process_socket_or_block_behind():
-    socket_dirs = lambda: set(Path(tempfile.gettempdir()).glob("engine-core-*"))  # noqa: E731
-    before_children, before_fds, before_dirs = children_of(os.getpid()), len(os.listdir("/proc/self/fd")), socket_dirs()
+    before_children, before_fds, before_dirs = children_of(os.getpid()), len(os.listdir("/proc/self/fd")), core_socket_dirs()
     for i in range(3):  # one descriptor leaked a start is 3, over the slack of 2 below (ten starts took 66 s)
         engine = AsyncLLMEngine(**CONFIG)
         core_pid = engine.stats().core_pid
@@ -200,7 +205,7 @@ async def test_repeated_starts_and_stops_leave_no_process_socket_or_block_behind
         assert not alive(core_pid), f"start {i}: the core process is still there after shutdown"
     assert children_of(os.getpid()) == before_children
     assert len(os.listdir("/proc/self/fd")) <= before_fds + 2  # pytest's own files may come and go
-    assert socket_dirs() == before_dirs, "a socket directory was left behind"
+    assert core_socket_dirs() == before_dirs, "a socket directory was left behind"
 
 
 @in_module_loop
