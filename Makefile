@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-check gpu-serve-check gpu-wheels min-versions setup model serve stop test test-all test-fast bench bench-beam bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
+.PHONY: kernels-background gpu-check gpu-serve-check gpu-wheels min-versions setup model serve stop test test-all test-fast bench bench-beam bench-peers bench-prefill bench-serving bench-latency bench-latency-peers eval loadtest soak sweep prometheus observe observe-stop observe-report dashboards clean
 PEERS := .venv-peers
 
 setup: $(STAMP)
@@ -50,12 +50,18 @@ stop:
 	-$(RAY) stop
 	-pkill -f "[s]erve run --address auto serve_app/config.yaml"  # a detached one would keep reconnecting, burning CPU
 
+# The C++ kernels' cold native build (one compiler process, ~25-55 s) starts once torch is in and runs beside the
+# model's conversion, Prometheus' install and pytest's collection, which otherwise waits on it with the other core
+# idle; a test that needs it still building waits on torch's build lock. Its output: $(VENV)/kernel-builds.log
+kernels-background: $(STAMP)
+	@$(PY) -m tests.engine.kernel_builds > $(VENV)/kernel-builds.log 2>&1 &
+
 # CI's suite: everything but the `long` scenarios (the multi-node cluster, the split app's echo attack, the compiled
 # decoder, gpu-serve-check's CPU rehearsal), which `make test-all` adds
-test: model prometheus
+test: kernels-background model prometheus
 	$(PY) -m pytest -q -rs --durations=20 -m "not long"
 
-test-all: model prometheus
+test-all: kernels-background model prometheus
 	$(PY) -m pytest -q -rs --durations=20
 
 test-fast: model

@@ -3,38 +3,11 @@ output, so every generated position is checked against HF given exactly the same
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.cpu_kernels import ISA_VARIANTS, build_kernels
 from engine.models import resolve_model_path
-
-
-def isa_flags(isa: str) -> tuple[str, ...]:
-    """build_kernels' flags for "native" or an ISA_VARIANTS key. On a CPU whose best is AVX2 the native build already
-    is the AVX2 path: a second build of the same code takes about 48 s on a 2-core AVX2 VM."""
-    if isa == "native" or (isa == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2"):
-        return ()
-    return ISA_VARIANTS[isa]
-
-
-# the variants whose code differs from the native build (none of AVX2's where the CPU's best is AVX2)
-BUILT_ELSEWHERE = [isa for isa in ISA_VARIANTS if isa_flags(isa)]
-
-
-def kernels_for(isa: str):
-    """The C++ kernels built for "native" or an ISA_VARIANTS key. The first variant asked for builds them all at once:
-    a build is one compiler process (about 35 s cold), so on two cores both variants take the time of one."""
-    return build_kernels() if not isa_flags(isa) else _variants()[isa]
-
-
-@functools.cache
-def _variants() -> dict:
-    with ThreadPoolExecutor(len(BUILT_ELSEWHERE)) as pool:
-        return dict(zip(BUILT_ELSEWHERE, pool.map(lambda isa: build_kernels(ISA_VARIANTS[isa]), BUILT_ELSEWHERE)))
-
 
 NEAR_TIE = 1e-3  # the engine may pick another token only where HF's top two are this close (logprob)
 LOGPROB_TOLERANCE = 1e-3  # engine vs HF logprob of the chosen token, fp32; measured gaps are ~2e-5

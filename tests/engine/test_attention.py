@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.layers.attention import DecodeBatch, _decode_torch
-from tests.engine.helpers import kernels_for
+from tests.engine.kernel_builds import kernels_for
 
 HEADS, KV_HEADS, BLOCK = 9, 3, 16
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.cpu_kernels import build_kernels
+from engine.cpu_kernels import ISA_VARIANTS, build_kernels
 from engine.sampler import INVALID_TOKEN, Sampler, _marked_invalid, greedy_and_finite
-from tests.engine.helpers import ISA_VARIANTS, kernels_for, logits_with_edge_rows
+from tests.engine.helpers import logits_with_edge_rows
+from tests.engine.kernel_builds import kernels_for
 
 
 def torch_greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from engine.layers.activation import silu_and_mul
 from engine.layers.linear import Linear, MergedLinear, can_pack
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from tests.engine.helpers import kernels_for
+from tests.engine.kernel_builds import kernels_for
 
 FUSED = [pytest.param(False, id="torch-ops"), pytest.param(True, id="fused-cpu-ops")]
 

@@ -15,7 +15,7 @@ from engine.layers.quantized import BlockWeight, block_matmul
 from engine.models.cache_files import umask
 from engine.models import checkpoint_tensors, embedded_checkpoint, embedded_gguf_path
 from engine.models.gguf import read_tensors
-from tests.engine.helpers import BUILT_ELSEWHERE, kernels_for
+from tests.engine.kernel_builds import BUILT_ELSEWHERE, kernels_for
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]):
