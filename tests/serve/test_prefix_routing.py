@@ -16,6 +16,7 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs each evening, counti
            "polishing the great lens until it threw its beam far across the grey water. ") * 4
 CONVERSATIONS, TURNS = 5, 3  # odd: HAProxy's leastconn takes idle ingress replicas in turn, so a conversation's
                              # consecutive turns reach different ingress replicas
+APP, SHARE_PERIOD_S = "affinity", 0.1  # how often the ingress replicas exchange what they routed (0.5 s by default)
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +24,15 @@ def two_replicas(serve_app):
     from ray import serve
 
     engine = {**serve_app["args"]["engine_config"], "num_threads": 1}
-    with whole_app(serve_app, "affinity", request_router="prefix_affinity", min_replicas=2, max_replicas=2,
-                   ingress_min_replicas=2, num_cpus=0, report_cached_tokens=True, engine_config=engine) as base:
+    with whole_app(serve_app, APP, request_router="prefix_affinity", min_replicas=2, max_replicas=2,
+                   ingress_min_replicas=2, num_cpus=0, report_cached_tokens=True, engine_config=engine,
+                   prefix_affinity={"share_period_s": SHARE_PERIOD_S}) as base:
         deadline = time.monotonic() + 300
-        deployments = serve.status().applications["affinity"].deployments
+        deployments = serve.status().applications[APP].deployments
         while any(deployments[d].replica_states.get("RUNNING") != 2 for d in ("EngineReplica", "Ingress")):
             assert time.monotonic() < deadline, "a second replica never started"
             time.sleep(0.5)
-            deployments = serve.status().applications["affinity"].deployments
+            deployments = serve.status().applications[APP].deployments
         yield base
 
 
@@ -41,8 +43,8 @@ def both_replicas_free_after_test(two_replicas):
     from ray import serve
 
     yield
-    handle = serve.get_deployment_handle("EngineReplica", app_name="affinity")
-    running = serve.status().applications["affinity"].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+    handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
+    running = serve.status().applications[APP].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
     idle, deadline = set(), time.monotonic() + 30
     while len(idle) < running:
         assert time.monotonic() < deadline, f"only {len(idle)} of {running} replicas seen idle"
@@ -50,10 +52,12 @@ def both_replicas_free_after_test(two_replicas):
 
 
 def converse(base: str, auth: dict, conversations: list[list[dict]], turns: int) -> list[list[dict]]:
-    """`turns` more turns of each conversation, one request at a time, interleaved; each turn's usage."""
-    usages = [[] for _ in conversations]
+    """`turns` more turns of each conversation, one request at a time, interleaved, each round once the last one's
+    routes are shared; each turn's usage."""
+    usages, logged = [[] for _ in conversations], routes_logged()
     with httpx.Client(base_url=base, headers=auth, timeout=120) as http:
-        for _ in range(turns):
+        for turn in range(turns):
+            wait_until_shared(logged + turn * len(conversations))
             for messages, usage in zip(conversations, usages):
                 r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0})
                 assert r.status_code == 200, r.text
@@ -61,6 +65,28 @@ def converse(base: str, auth: dict, conversations: list[list[dict]], turns: int)
                 messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                              {"role": "user", "content": "And then?"}]
     return usages
+
+
+def routes_logged() -> int:
+    """How many routes the ingress replicas have sent the deployment's PrefixLog (none before its first exchange)."""
+    import ray
+
+    try:
+        log = ray.get_actor(f"PrefixLog:{APP}:EngineReplica", namespace="serve")
+    except ValueError:
+        return 0
+    return ray.get(log.exchange.remote("test-reader", [], 0), timeout=30)[1]
+
+
+def wait_until_shared(routes: int) -> None:
+    """Until the log holds `routes` routes, then two share periods, in which every ingress replica takes them: the
+    test asks where routing sends a turn, not how fast routes spread (the first exchange starts the log actor, which
+    took longer than a round of turns on a fast 2-core VM, and a second turn missed its history)."""
+    deadline = time.monotonic() + 60
+    while routes_logged() < routes:
+        assert time.monotonic() < deadline, f"{routes_logged()} of {routes} routes shared in 60 s"
+        time.sleep(SHARE_PERIOD_S)
+    time.sleep(2 * SHARE_PERIOD_S)
 
 
 def assert_history_found(usage: list[dict]) -> None:
@@ -89,7 +115,7 @@ def test_conversations_on_a_replica_that_dies_carry_on_elsewhere(two_replicas, a
 
     conversations = new_conversations("Second")
     converse(two_replicas, auth, conversations, 1)
-    victim = serve.get_deployment_handle("EngineReplica", app_name="affinity").stats.remote().result(timeout_s=30)
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::affinity#EngineReplica#{victim.placement.replica_id}", namespace="serve"))
+    victim = serve.get_deployment_handle("EngineReplica", app_name=APP).stats.remote().result(timeout_s=30)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim.placement.replica_id}", namespace="serve"))
     for usage in converse(two_replicas, auth, conversations, 2):
         assert_history_found(usage)
