@@ -88,7 +88,9 @@ async def test_clients_that_leave_during_admission_leave_no_generation_behind(ba
     stats, _ = await idle_within(replica_handle, 60)
     generated = stats.engine.generation_tokens - before
     log.warning("%d clients gone during admission: %d tokens generated", 4 * len(delays_ms), generated)
-    assert generated < LONG["max_tokens"] / 2, generated  # each stopped within a few tokens, none ran to its end
+    # one request run to its end is max_tokens alone; each of the others stops within a step or two of its abort (52
+    # clients took 140 tokens in all on a 2-core Zen 4 in bf16, where more reach the engine than on slower CPUs)
+    assert generated < LONG["max_tokens"], generated
 
 
 async def test_a_burst_beyond_capacity_gets_200s_and_429s_only(base_url, auth):
