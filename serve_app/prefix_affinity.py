@@ -110,6 +110,11 @@ class PrefixIndex:
 Route = tuple[str, list[int]]  # a replica and the chunk hashes of a key routed to it
 
 
+def prefix_log_name(app_name: str, deployment_name: str) -> str:
+    """The Ray actor name of a deployment's PrefixLog, in the "serve" namespace."""
+    return f"PrefixLog:{app_name}:{deployment_name}"
+
+
 class PrefixLog:
     """The routes every ingress replica of one deployment recorded, in order, so each can learn the others' (a Ray
     actor in serving, prefix_router.py). Bounded by chunks, oldest dropped first; a reader that fell behind the

@@ -23,7 +23,8 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # 
 from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter,
                                       RunningReplica)
 
-from serve_app.prefix_affinity import PrefixAffinityOptions, PrefixIndex, PrefixLog, Route, affinity_key
+from serve_app.prefix_affinity import (PrefixAffinityOptions, PrefixIndex, PrefixLog, Route, affinity_key,
+                                      prefix_log_name)
 from serve_app.protocol import GenerationJob
 
 logger = logging.getLogger("ray.serve")
@@ -102,7 +103,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def _shared_log(self) -> ray.actor.ActorHandle:
         # owned by the first ingress replica to ask, so it ends with the app; if that replica goes first, the next
         # exchange anywhere creates a fresh one
-        name = f"PrefixLog:{self._deployment_id.app_name}:{self._deployment_id.name}"
+        name = prefix_log_name(self._deployment_id.app_name, self._deployment_id.name)
         return ray.remote(PrefixLog).options(name=name, namespace="serve", get_if_exists=True, num_cpus=0).remote(
             self._options.max_chunks)
 

@@ -71,8 +71,10 @@ def routes_logged() -> int:
     """How many routes the ingress replicas have sent the deployment's PrefixLog (none before its first exchange)."""
     import ray
 
+    from serve_app.prefix_affinity import prefix_log_name
+
     try:
-        log = ray.get_actor(f"PrefixLog:{APP}:EngineReplica", namespace="serve")
+        log = ray.get_actor(prefix_log_name(APP, "EngineReplica"), namespace="serve")
     except ValueError:
         return 0
     return ray.get(log.exchange.remote("test-reader", [], 0), timeout=30)[1]
