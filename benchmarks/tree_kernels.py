@@ -18,11 +18,11 @@ def build_tree_kernels(tree: Path, isa: str, functions: list[str]):
     """The module of `tree`'s kernels built for `isa` (a key of ISA_FLAGS), binding `functions`."""
     if tree.resolve() == ROOT and isa == "native":
         return build_kernels()
-    from torch.utils.cpp_extension import load_inline
+    from engine.extension_build import load_inline_locked
 
     sources = [(tree / "engine" / "csrc" / name).read_text() for name in UNIT]
     tag = hashlib.blake2b(f"{tree.resolve()} {isa} {functions}".encode(), digest_size=4).hexdigest()
-    return load_inline(name=f"tree_kernels_{tag}", cpp_sources=sources, functions=functions,
+    return load_inline_locked(name=f"tree_kernels_{tag}", cpp_sources=sources, functions=functions,
                        extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(LDFLAGS), no_implicit_headers=True)
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import logging
 import os
 import shutil
 from pathlib import Path
+
+from engine.extension_build import load_inline_locked
 
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
@@ -50,26 +51,27 @@ LDFLAGS = ("-fopenmp", "-lmvec")
 ISA_VARIANTS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
 
+def kernels_name(extra_cflags: tuple[str, ...] = ()) -> str:
+    """The extension's name, one per CPU feature set and variant: its build folder's."""
+    variant = hashlib.blake2b(" ".join(extra_cflags).encode(), digest_size=3).hexdigest() if extra_cflags else ""
+    return f"engine_cpu_kernels_{cpu_features_tag()}{variant}"
+
+
 @functools.cache
 def build_kernels(extra_cflags: tuple[str, ...] = ()):
     """The compiled module of every kernel; raises KernelBuildError where there is no compiler or the build fails.
     extra_cflags (tests) builds a variant under its own name, e.g. `-mno-avx512f` for the AVX2 paths on an AVX-512 CPU."""
     if not have_compiler():
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
-    from torch.utils.cpp_extension import load_inline
-
-    variant = hashlib.blake2b(" ".join(extra_cflags).encode(), digest_size=3).hexdigest() if extra_cflags else ""
-    # the unit includes what it uses (csrc/python_bindings.h); torch older than this option puts torch/extension.h first
-    lean = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
     try:
-        return load_inline(
-            name=f"engine_cpu_kernels_{cpu_features_tag()}{variant}",
+        return load_inline_locked(
+            name=kernels_name(extra_cflags),
             cpp_sources=[(SOURCES / name).read_text() for name in UNIT],
             functions=FUNCTIONS,
             extra_cflags=[*CFLAGS, *extra_cflags],
             extra_ldflags=list(LDFLAGS),
             verbose=False,
-            **lean,
+            no_implicit_headers=True,  # the unit includes what it uses (csrc/python_bindings.h), not torch/extension.h
         )
     except Exception as exc:
         raise KernelBuildError(f"the C++ kernels in {SOURCES} failed to build: {exc}") from exc
