@@ -83,10 +83,11 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 self._unshared_chunks += len(hashes)
 
     async def _share_forever(self) -> None:
-        """Send this router's new routes to the shared log and learn the other routers' (those to live replicas)."""
+        """Send this router's new routes to the shared log and learn the other routers' (those to live replicas),
+        the first time at once: that exchange starts the log actor, which takes seconds, so waiting a period first
+        left an app's first turns routed without the other ingress replicas' routes."""
         log, cursor = None, 0
         while True:
-            await asyncio.sleep(self._options.share_period_s)
             routes, self._unshared, self._unshared_chunks = self._unshared, [], 0
             try:
                 log = log or self._shared_log()
@@ -94,11 +95,12 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             except Exception as exc:  # the log died with its owner: the next exchange makes a new one
                 logger.warning("prefix routes not shared: %s", type(exc).__name__)
                 log = None
-                continue
-            live = {replica_id.to_full_id_str() for replica_id in self._replica_id_set}
-            for replica, hashes in news:
-                if replica in live:
-                    self._index.record(hashes, replica)
+            else:
+                live = {replica_id.to_full_id_str() for replica_id in self._replica_id_set}
+                for replica, hashes in news:
+                    if replica in live:
+                        self._index.record(hashes, replica)
+            await asyncio.sleep(self._options.share_period_s)
 
     def _shared_log(self) -> ray.actor.ActorHandle:
         # owned by the first ingress replica to ask, so it ends with the app; if that replica goes first, the next

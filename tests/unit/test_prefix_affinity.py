@@ -166,3 +166,48 @@ def test_chunk_hashes_are_the_same_in_every_process():
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert len(runs) == 1 and runs.pop().strip() == str(PrefixIndex(4, 10).chunk_hashes("abcdefgh\ud800xyz"))
+
+
+def run_sharing_for(router, seconds: float, exchange) -> None:
+    """The router's sharing loop for `seconds`, against a log whose `exchange.remote` is the coroutine `exchange`."""
+    import asyncio
+    from types import SimpleNamespace
+
+    router._shared_log = lambda: SimpleNamespace(exchange=SimpleNamespace(remote=exchange))
+
+    async def share_a_while():
+        sharing = asyncio.create_task(router._share_forever())
+        await asyncio.sleep(seconds)
+        sharing.cancel()
+
+    asyncio.run(share_a_while())
+
+
+def test_router_exchanges_at_once_and_learns_live_replicas_routes():
+    """The first exchange starts the log actor (seconds), so it comes at the sharing's start, not a period later."""
+    router = bare_router(share_period_s=30)
+    live, gone = replicas("live", "gone")
+    router._replica_id_set = {live.replica_id}
+    log, calls = PrefixLog(max_chunks=100), []
+    routes = [(live.replica_id.to_full_id_str(), [1, 2]), (gone.replica_id.to_full_id_str(), [3])]
+    log.exchange("other ingress", routes, 0)
+
+    async def exchange(*args):
+        calls.append(args)
+        return log.exchange(*args)
+
+    run_sharing_for(router, 0.5, exchange)
+    assert len(calls) == 1
+    assert router._index.longest_match([1, 2], [live.replica_id.to_full_id_str()])[0] == 2
+    assert len(router._index) == 2  # the gone replica's route is not learnt
+
+
+def test_router_waits_a_period_after_a_failed_exchange():
+    router, calls = bare_router(share_period_s=0.2), []
+
+    async def exchange(*args):
+        calls.append(args)
+        raise RuntimeError("the log died with its owner")
+
+    run_sharing_for(router, 0.5, exchange)
+    assert 1 < len(calls) <= 3  # at 0, 0.2 and (unless late) 0.4 s; not one after another
