@@ -33,9 +33,9 @@ def kv_walk():
     from engine.extension_build import load_inline_locked
 
     return load_inline_locked(name=f"benchmark_kv_walk_{cpu_features_tag()}",  # -march=native: one build per CPU
-                       cpp_sources=[(Path(__file__).parent / "kv_walk.cpp").read_text()], functions=["kv_walk"],
-                       extra_cflags=[*CFLAGS, f"-I{ROOT / 'engine' / 'csrc'}"], extra_ldflags=list(LDFLAGS),
-                       no_implicit_headers=True).kv_walk  # the engine's lean headers: a cold build 31 -> 13 s
+                              cpp_sources=[(Path(__file__).parent / "kv_walk.cpp").read_text()], functions=["kv_walk"],
+                              extra_cflags=[*CFLAGS, f"-I{ROOT / 'engine' / 'csrc'}"], extra_ldflags=list(LDFLAGS),
+                              no_implicit_headers=True).kv_walk  # the engine's lean headers: a cold build 31 -> 13 s
 
 
 def huge_page_tensor(shape, dtype) -> torch.Tensor:

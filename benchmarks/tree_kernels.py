@@ -23,7 +23,8 @@ def build_tree_kernels(tree: Path, isa: str, functions: list[str]):
     sources = [(tree / "engine" / "csrc" / name).read_text() for name in UNIT]
     tag = hashlib.blake2b(f"{tree.resolve()} {isa} {functions}".encode(), digest_size=4).hexdigest()
     return load_inline_locked(name=f"tree_kernels_{tag}", cpp_sources=sources, functions=functions,
-                       extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(LDFLAGS), no_implicit_headers=True)
+                              extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(LDFLAGS),
+                              no_implicit_headers=True)
 
 
 def alternated_medians(timers: dict[object, Callable[[], float]], rounds: int, warm: int) -> dict[object, float]:
