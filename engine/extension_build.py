@@ -15,12 +15,18 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def build_folder(name: str) -> Path:
+    """The folder load_inline builds extension `name` in (created if missing; torch is pinned)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
 def load_inline_locked(name: str, **kwargs):
     """`torch.utils.cpp_extension.load_inline(name=name, **kwargs)`, after removing a lock its builder left behind."""
-    # _get_build_directory is the folder load_inline itself picks (torch is pinned)
-    from torch.utils.cpp_extension import _get_build_directory, load_inline
+    from torch.utils.cpp_extension import load_inline
 
-    folder = Path(_get_build_directory(name, verbose=False))
+    folder = build_folder(name)
     with open(folder / "owner.flock", "w") as owner:
         fcntl.flock(owner, fcntl.LOCK_EX)  # waits while another process builds or loads it
         stale = folder / "lock"

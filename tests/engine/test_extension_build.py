@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import cpu_kernels
+from engine.extension_build import build_folder
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.have_compiler(), reason="no C++ compiler")
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,15 +20,13 @@ def start_loading_kernels() -> subprocess.Popen:
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def build_folder() -> Path:
-    from torch.utils.cpp_extension import _get_build_directory
-
+def kernels_folder() -> Path:
     cpu_kernels.build_kernels()  # built (or loaded) once here, so the processes below only load it
-    return Path(_get_build_directory(cpu_kernels.kernels_name(), verbose=False))
+    return build_folder(cpu_kernels.kernels_name())
 
 
 def test_a_lock_left_by_a_killed_build_is_removed():
-    stale = build_folder() / "lock"
+    stale = kernels_folder() / "lock"
     stale.touch()  # as a build killed by SIGKILL leaves it: torch's own wait for it never ends
     loader = start_loading_kernels()
     try:
@@ -40,7 +39,7 @@ def test_a_lock_left_by_a_killed_build_is_removed():
 
 
 def test_a_live_builders_lock_is_waited_on():
-    folder = build_folder()
+    folder = kernels_folder()
     with open(folder / "owner.flock", "w") as owner:
         fcntl.flock(owner, fcntl.LOCK_EX)  # a live builder: its lock file is not stale
         (folder / "lock").touch()
