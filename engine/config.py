@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # a name under lora_root: one path component, no leading dot, so no request reaches outside the root
@@ -116,6 +116,10 @@ class EngineConfig(BaseModel):
     max_consecutive_failed_steps: int = Field(default=3, ge=1, description="failed steps in a row before unhealthy")
     step_timeout_s: float = Field(default=120.0, gt=0, description="one step running longer than this is a hung engine")
     trust_remote_code: bool = False
+    chat_template: str | None = Field(default=None, description=(
+        "vLLM's --chat-template: the Jinja template chat requests render with in place of the tokenizer's (a model "
+        "without one serves no chat), given as its text or as the path of a file holding it; a path is read when the "
+        "config is made, so the text travels with the config to every replica"))
     engine_process: bool = Field(default=False, description=(
         "AsyncLLMEngine and LLM run the core (scheduler, model, sampler) in a child process with its own interpreter "
         "lock, as vLLM's v1 does; False: in the caller's process (AsyncLLMEngine on a thread of its own, LLM on the "
@@ -130,6 +134,11 @@ class EngineConfig(BaseModel):
         "by loading it on first use (Ray Serve LLM's dynamic LoRA loading, from a local or mounted path)"))
     max_loras: int = Field(default=8, ge=1, description=(
         "adapters from lora_root kept loaded; past it the least recently used one that no request runs is dropped"))
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value: str | None) -> str | None:
+        return None if value is None else read_chat_template(value)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -162,3 +171,26 @@ class EngineConfig(BaseModel):
         if self.num_threads:
             return self.num_threads
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template's text: `value` itself where it holds a brace or a newline, as vLLM tells a template from a
+    path, else the file it names. The text is parsed, so a broken template stops the start, not every chat."""
+    text = value
+    if not any(c in value for c in "{}\n"):
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat_template: {value!r} reads as a path (no braces or newlines), and it cannot be "
+                             f"read: {type(exc).__name__}: {exc}") from None
+    if "{{" not in text and "{%" not in text:
+        raise ValueError("chat_template: the template has no Jinja tags ({{ }} or {% %}), so it cannot render messages")
+    from jinja2 import TemplateSyntaxError  # the validator's alone: most configs give no template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # transformers renders in this sandbox, with loop controls
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template: not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
+    return text
+

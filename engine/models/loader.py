@@ -101,8 +101,13 @@ def resolve_model_path(model: str) -> str:
 def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
     if is_gguf_file(config.model):
         path = Path(config.model)
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(resolve_model_path(config.model), trust_remote_code=config.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model),
+                                                  trust_remote_code=config.trust_remote_code)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return tokenizer
 
 
 def load_hf_config(config: EngineConfig) -> AutoConfig:

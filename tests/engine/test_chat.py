@@ -89,3 +89,41 @@ def test_the_offline_chat_takes_tools_and_template_options_as_vllms_does(llm32, 
     with pytest.raises(EngineInputError) as refused:
         llm32.chat(messages, SamplingParams(**params), use_tqdm=False, continue_final_message=True)
     assert refused.value.param == "continue_final_message"
+
+
+# vLLM's --chat-template: the operator's template in place of the model's
+ROLE_LINES = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+              "{% if add_generation_prompt %}[assistant]{% endif %}")
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_a_configured_chat_template_renders_in_place_of_the_models(tmp_path):
+    expected = "[system] Be brief.\n[user] Hi\n[assistant]"
+    assert render(load_tokenizer(EngineConfig(chat_template=ROLE_LINES)), normalize(CONVERSATION)) == expected
+    path = tmp_path / "role_lines.jinja"
+    path.write_text(ROLE_LINES)  # a path is read when the config is made, so the text travels to every replica
+    config = EngineConfig(chat_template=str(path))
+    assert config.chat_template == ROLE_LINES
+    assert EngineConfig.model_validate_json(config.model_dump_json()).chat_template == ROLE_LINES  # the core's copy
+    assert render(load_tokenizer(config), normalize(CONVERSATION)) == expected
+
+
+@pytest.mark.parametrize("template, reason", [
+    ("/no/such/template.jinja", "reads as a path.*FileNotFoundError"),
+    ("{% for m in messages %}{{ m['content'] }}", "not a valid Jinja template: Unexpected end of template"),
+    ("<|user|>{message}\n", "no Jinja tags"),
+])
+def test_a_chat_template_that_cannot_render_stops_the_config(template, reason):
+    with pytest.raises(ValueError, match=f"chat_template: .*{reason}"):
+        EngineConfig(chat_template=template)
+
+
+def test_the_engine_chats_in_the_configured_template(tmp_path):
+    from engine import LLM
+    from tests.fixtures.tiny_models import tiny_checkpoint
+
+    llm = LLM(model=tiny_checkpoint(tmp_path, "llama-hd64"), dtype="float32", num_kv_blocks=64,
+              chat_template=ROLE_LINES)
+    (out,) = llm.chat(CONVERSATION, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    tokenizer = llm.inputs.tokenizer
+    assert out.prompt_token_ids == tokenizer.encode("[system] Be brief.\n[user] Hi\n[assistant]", add_special_tokens=False)
