@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# what a model's generation_config.json may default for requests, by transformers' names (vLLM's list)
+SamplingDefault = Literal["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"]
 # a name under lora_root: one path component, no leading dot, so no request reaches outside the root
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -116,6 +118,13 @@ class EngineConfig(BaseModel):
     max_consecutive_failed_steps: int = Field(default=3, ge=1, description="failed steps in a row before unhealthy")
     step_timeout_s: float = Field(default=120.0, gt=0, description="one step running longer than this is a hung engine")
     trust_remote_code: bool = False
+    generation_config: Literal["auto", "vllm"] = Field(default="auto", description=(
+        "vLLM's --generation-config: auto, the model's generation_config.json gives the defaults of temperature, "
+        "top_p, top_k, min_p, repetition_penalty and max_tokens (its max_new_tokens) to requests that leave them "
+        "unset, as its authors recommend; vllm, the neutral defaults (engine/sampling_defaults.py)"))
+    override_generation_config: dict[SamplingDefault, float] = Field(default_factory=dict, description=(
+        "vLLM's --override-generation-config: defaults over the generation config's, by its names, e.g. "
+        "{temperature: 0.6, max_new_tokens: 512}"))
     chat_template: str | None = Field(default=None, description=(
         "vLLM's --chat-template: the Jinja template chat requests render with in place of the tokenizer's (a model "
         "without one serves no chat), given as its text or as the path of a file holding it; a path is read when the "

@@ -19,6 +19,8 @@ class ModelLimits(msgspec.Struct, frozen=True):
     hidden_size: int = 0  # an embedding's length
     # the lengths an embedding may be cut to (`dimensions`): None, the model was not trained for it; empty, any
     matryoshka_dimensions: list[int] | None = None
+    # the model's recommended sampling (engine/sampling_defaults.py) for requests that leave a field unset
+    sampling_defaults: dict[str, float] = {}
 
 
 class EngineRequest(msgspec.Struct):

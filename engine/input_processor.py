@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
 from engine.errors import EngineInputError
 from engine.pooling_params import PoolingParams
+from engine.sampling_defaults import as_params
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarChecker, GrammarCompiler
 
@@ -32,6 +33,11 @@ class InputProcessor:
         self.grammars = grammars or GrammarChecker(tokenizer, limits.vocab_size)
         # No token is longer than this many characters, so a longer text cannot fit the context: refused untokenized
         self.max_prompt_chars = limits.max_model_len * max(map(len, tokenizer.get_vocab()))
+        # a request given no SamplingParams samples as the model's authors recommend, for as many tokens (vLLM's
+        # default sampling params: 16 tokens where the model names no max_new_tokens)
+        defaults = limits.sampling_defaults
+        self.default_params = SamplingParams(**as_params(defaults), **(
+            {"max_tokens": int(defaults["max_tokens"])} if "max_tokens" in defaults else {}))
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
@@ -46,7 +52,7 @@ class InputProcessor:
         if pooling is not None:
             return self._embedding_request(request_id, prompt, pooling, arrival_time, cache_salt, priority, options,
                                            lora_name)
-        params = params or SamplingParams()
+        params = params or self.default_params
         self._check_token_ids(params)
         params = self._with_bad_words_tokenized(params)
         token_ids = self.truncated(self.tokenize(prompt, tools, options), params)
@@ -56,6 +62,11 @@ class InputProcessor:
         return EngineRequest(request_id, token_ids, params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time, cache_salt, prompt_leader,
                              priority, lora_name)
+
+    def with_defaults(self, params: SamplingParams, unset: frozenset[str]) -> SamplingParams:
+        """`params` with the model's sampling defaults in the fields `unset` names (those its request left unset)."""
+        chosen = {name: value for name, value in as_params(self.limits.sampling_defaults).items() if name in unset}
+        return dataclasses.replace(params, **chosen) if chosen else params
 
     def beam_search(self, prompt: Prompt, params: BeamSearchParams, cache_salt: str | None = None, priority: int = 0,
                     lora_name: str | None = None) -> BeamSearch:
@@ -217,7 +228,8 @@ class InputProcessor:
             raise EngineInputError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}", "prompt")
         remaining = context - num_prompt_tokens
         if params.max_tokens is None:
-            return min(self.config.default_max_tokens or remaining, limit or remaining, remaining)
+            default = self.config.default_max_tokens or self.limits.sampling_defaults.get("max_tokens")
+            return min(int(default or remaining), limit or remaining, remaining)
         if limit is not None and params.max_tokens > limit:
             raise EngineInputError(f"max_tokens is {params.max_tokens}; this server allows at most {limit}", "max_tokens")
         if num_prompt_tokens + params.max_tokens > context:

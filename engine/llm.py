@@ -76,6 +76,10 @@ class LLM:
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
         return self._run(list(conversations), params, use_tqdm, priority, tools, options, lora_name)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt given no SamplingParams samples with: the model's generation config (vLLM's method)."""
+        return self.inputs.default_params
+
     def beam_search(self, prompts: list[Prompt] | Prompt, params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Each prompt's beams, best first, as vLLM's LLM.beam_search (engine/beam_search.py): every step, each
@@ -127,7 +131,7 @@ class LLM:
              priority: list[int] | None, tools: list[dict] | None = None,
              options: ChatOptions = DEFAULT_OPTIONS,
              lora_name: str | list[str | None] | None = None, pooling: PoolingParams | None = None) -> list[RequestOutput]:
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise EngineInputError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts", "params")
         priorities = priority if priority is not None else [0] * len(prompts)

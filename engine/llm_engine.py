@@ -31,6 +31,7 @@ from engine.models import (embedding_sizes, load_hf_config, load_model, load_tok
 from engine.lora_manager import LoRAManager
 from engine.request_inbox import RequestInbox
 from engine.sampler import INVALID_TOKEN, NO_ALLOWED_TOKEN
+from engine.sampling_defaults import sampling_defaults
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -91,7 +92,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.scheduling_policy == "priority")
         self.limits = ModelLimits(self.max_model_len, self.vocab_size, self.runner.num_blocks * config.block_size,
-                                  sorted(self.eos_token_ids), *embedding_sizes(self.model.config))
+                                  sorted(self.eos_token_ids), *embedding_sizes(self.model.config),
+                                  sampling_defaults(getattr(self.model, "generation_config", None), config))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # an in-process front end shares it
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len)
         on_cpu = self.device.type == "cpu"

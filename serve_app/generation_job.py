@@ -7,6 +7,7 @@ import dataclasses
 from engine import EngineInputError, SamplingParams, StructuredOutput, tool_calls
 from engine.beam_search import BeamSearchParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
+from engine.sampling_defaults import SAMPLING_DEFAULTS
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError
 from serve_app.openai_protocol import ChatCompletionRequest, SamplingFields, TokenizeRequest
@@ -27,7 +28,8 @@ def generation_job(request_id: str, body: SamplingFields, prompt, args: AppArgs,
                              stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
                              return_token_ids=body.return_token_ids,
                              return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority,
-                             lora_name=lora_name, reasoning=reasoning, beam=beam_search_params(body))
+                             lora_name=lora_name, reasoning=reasoning, beam=beam_search_params(body),
+                             defaulted=defaulted_fields(body))
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
 
@@ -38,6 +40,12 @@ def beam_search_params(body: SamplingFields) -> BeamSearchParams | None:
         return None
     return BeamSearchParams(body.n, body.requested_max_tokens, body.ignore_eos, body.length_penalty,
                             body.include_stop_str_in_output, body.skip_special_tokens)
+
+
+def defaulted_fields(body: SamplingFields) -> frozenset[str]:
+    """The sampling fields the request leaves unset, for the model's defaults (vLLM applies its generation config
+    so); none in a beam search, which samples nothing."""
+    return frozenset() if body.use_beam_search else SAMPLING_DEFAULTS - body.model_fields_set
 
 
 def chat_options(body: ChatCompletionRequest | TokenizeRequest, args: AppArgs) -> ChatOptions:

@@ -30,6 +30,8 @@ class GenerationJob:
     lora_name: str | None = None  # the LoRA adapter the request named as its model; None: the base model
     reasoning: ReasoningFormat | None = None  # the app's reasoning parser, for a chat: its constraint waits for the end
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: the n choices are the best beams of width n
+    # the sampling fields the request left unset, which the model's defaults fill (engine/sampling_defaults.py)
+    defaulted: frozenset[str] = frozenset()
 
 
 @dataclass

@@ -80,15 +80,16 @@ class EngineReplica:
             if job.params.structured_output is not None:
                 self.frontend.inputs.grammars.check(job.params.structured_output)
             inputs = self.frontend.inputs
-            token_ids = inputs.truncated(inputs.tokenize(job.prompt, job.tools, job.chat), job.params)
-            return token_ids, self._constraint_after_reasoning(job, token_ids)
+            params = inputs.with_defaults(job.params, job.defaulted)
+            token_ids = inputs.truncated(inputs.tokenize(job.prompt, job.tools, job.chat), params)
+            return token_ids, self._constraint_after_reasoning(job.reasoning, params, token_ids)
         except Exception as exc:
             return _refusal(exc, job)
 
-    def _constraint_after_reasoning(self, job: GenerationJob, token_ids: list[int]) -> SamplingParams:
+    def _constraint_after_reasoning(self, fmt: ReasoningFormat | None, params: SamplingParams,
+                                    token_ids: list[int]) -> SamplingParams:
         """With a reasoning parser, a constraint (response_format, a forced tool call) waits for the end of the
         reasoning, as vLLM's does: unless the prompt already closed it (Qwen3's template with thinking off)."""
-        fmt, params = job.reasoning, job.params
         tokenizer = self.frontend.inputs.tokenizer
         if fmt is not None and fmt not in self._reasoning_markers:  # for the usage's reasoning tokens
             self._reasoning_markers[fmt] = tuple(tokenizer.encode(m, add_special_tokens=False) for m in (fmt.start, fmt.end))

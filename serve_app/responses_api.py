@@ -164,8 +164,9 @@ class ResponsesRequest(BaseModel):
         """The chat completion this response is, validated as one; a refusal names the Responses field."""
         extensions = {name: value for name, value in (self.model_extra or {}).items()
                       if name in CHAT_NAMES and name not in UNSUPPORTED_FIELDS}
-        body = {**extensions, "model": self.model, "messages": self._messages(), "temperature": self.temperature,
-                "top_p": self.top_p, "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
+        sampling = {name: getattr(self, name) for name in ("temperature", "top_p") if name in self.model_fields_set}
+        body = {**extensions, **sampling, "model": self.model, "messages": self._messages(), "stream": self.stream,
+                "stream_options": {"include_usage": True} if self.stream else None,
                 "parallel_tool_calls": self.parallel_tool_calls, "metadata": self.metadata, "user": self.user,
                 "safety_identifier": self.safety_identifier, "prompt_cache_key": self.prompt_cache_key,
                 "service_tier": self.service_tier, "max_completion_tokens": self.max_output_tokens}

@@ -161,3 +161,19 @@ def test_prompt_logprobs_are_refused_not_dropped():
     with pytest.raises(ValidationError) as refused:
         ResponsesRequest.model_validate({"input": "hi", "prompt_logprobs": 1})
     assert refused.value.errors()[0]["ctx"]["path"] == "prompt_logprobs"
+
+
+def test_sampling_fields_a_request_leaves_unset_stay_unset_for_the_models_defaults():
+    from serve_app.generation_job import defaulted_fields
+    from serve_app.openai_protocol import ChatCompletionRequest
+
+    unset = ResponsesRequest.model_validate({"input": "hi"}).chat_request()
+    assert defaulted_fields(unset) == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    chosen = ResponsesRequest.model_validate({"input": "hi", "temperature": 1.0}).chat_request()
+    assert defaulted_fields(chosen) == {"top_p", "top_k", "min_p", "repetition_penalty"}  # 1.0 was asked for
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "top_k": 5,
+                                                 "min_p": 0.0})
+    assert defaulted_fields(chat) == {"temperature", "top_p", "repetition_penalty"}
+    beams = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                  "use_beam_search": True})
+    assert defaulted_fields(beams) == frozenset()  # a beam search samples nothing
