@@ -41,6 +41,7 @@ class ChatOptions:
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_format: str = "hermes"  # how tools and calls are written for a template that cannot render them
+    template: str | None = None  # the offline caller's own template (vLLM's LLM.chat chat_template); None: the model's
 
     def __post_init__(self) -> None:
         if self.tool_format not in tool_calls.FORMATS:
@@ -98,7 +99,7 @@ def _content_text(content: Any, index: int, may_be_empty: bool) -> str:
 def render(tokenizer, messages: Messages, tools: list[dict] | None = None, options: ChatOptions = DEFAULT_OPTIONS) -> str:
     """Prompt text for normalized messages, ending where the assistant's answer begins (or, continuing, inside the
     last message)."""
-    template = tokenizer.chat_template or ""
+    template = options.template or tokenizer.chat_template or ""
     native_tools = "tools" in template
     if "developer" not in template:  # OpenAI's newer name for the system role
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
@@ -108,6 +109,7 @@ def render(tokenizer, messages: Messages, tools: list[dict] | None = None, optio
         messages = _with_tools_in_system_prompt(messages, tools, options.tool_format)
     try:
         return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
+                                             chat_template=options.template,
                                              add_generation_prompt=options.add_generation_prompt,
                                              continue_final_message=options.continue_final_message,
                                              **options.template_kwargs)

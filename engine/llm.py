@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
-from engine.config import EngineConfig
+from engine.config import EngineConfig, read_chat_template
 from engine.core_inline import InlineCore
 from engine.core_messages import CoreOutput
 from engine.core_protocol import EngineCore
@@ -68,12 +68,16 @@ class LLM:
              params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              tools: list[dict] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             priority: list[int] | None = None, lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+             priority: list[int] | None = None, lora_name: str | list[str | None] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Each conversation's final output, rendered by the model's chat template as vLLM's LLM.chat does: with
-        `tools` offered, the assistant's turn opened or the last message continued, extra template variables."""
+        `tools` offered, the assistant's turn opened or the last message continued, extra template variables;
+        `chat_template`, a template (its text or a file's path) in place of the engine's."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
+        template = read_chat_template(chat_template) if chat_template is not None else None
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {},
+                              template=template)
         return self._run(list(conversations), params, use_tqdm, priority, tools, options, lora_name)
 
     def get_default_sampling_params(self) -> SamplingParams:

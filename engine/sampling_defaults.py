@@ -21,7 +21,8 @@ SAMPLING_DEFAULTS = frozenset({"temperature", "top_p", "top_k", "min_p", "repeti
 def sampling_defaults(generation_config: Any, config: EngineConfig) -> dict[str, float]:
     """Each default by SamplingParams' name (max_new_tokens as max_tokens): the model's unless config says vllm,
     with config's overrides over them. One SamplingParams refuses is left out, with a warning: the file advises."""
-    given = generation_config.to_diff_dict() if generation_config is not None and config.generation_config == "auto" else {}
+    read = generation_config is not None and config.generation_config == "auto"
+    given = generation_config.to_diff_dict() if read else {}
     defaults = {name: given[name] for name in NAMES if given.get(name) is not None}
     defaults.update(config.override_generation_config)
     if defaults.get("top_k") == 0:

@@ -182,7 +182,8 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "prompt_embeds": ((None,), "prompt embeddings"),
     "mm_processor_kwargs": ((None,), "multimodal input"),
     "documents": ((None,), "documents for a RAG chat template"),
-    "chat_template": ((None,), "a chat template per request (the server's is used: engine_config.chat_template, else the model's)"),
+    "chat_template": ((None,), "a chat template per request (the server's is used: engine_config.chat_template, "
+                               "else the model's)"),
 }
 
 

@@ -126,4 +126,8 @@ def test_the_engine_chats_in_the_configured_template(tmp_path):
               chat_template=ROLE_LINES)
     (out,) = llm.chat(CONVERSATION, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     tokenizer = llm.inputs.tokenizer
-    assert out.prompt_token_ids == tokenizer.encode("[system] Be brief.\n[user] Hi\n[assistant]", add_special_tokens=False)
+    expected = tokenizer.encode("[system] Be brief.\n[user] Hi\n[assistant]", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    angled = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"  # a call's own, as vLLM's LLM.chat takes it
+    (out,) = llm.chat(CONVERSATION, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False, chat_template=angled)
+    assert out.prompt_token_ids == tokenizer.encode("<Be brief.><Hi>", add_special_tokens=False)

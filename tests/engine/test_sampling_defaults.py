@@ -17,7 +17,8 @@ def test_the_model_file_gives_the_defaults_and_the_config_overrides_them(caplog)
     assert sampling_defaults(QWEN_LIKE, EngineConfig()) == {
         "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 512}
     assert sampling_defaults(QWEN_LIKE, EngineConfig(generation_config="vllm")) == {}
-    assert sampling_defaults(QWEN_LIKE, EngineConfig(override_generation_config={"temperature": 0.2, "min_p": 0.1})) == {
+    overridden = EngineConfig(override_generation_config={"temperature": 0.2, "min_p": 0.1})
+    assert sampling_defaults(QWEN_LIKE, overridden) == {
         "temperature": 0.2, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 512, "min_p": 0.1}
     assert sampling_defaults(GenerationConfig(bos_token_id=1, eos_token_id=2), EngineConfig()) == {}  # ids alone
     assert sampling_defaults(None, EngineConfig(override_generation_config={"top_k": 0})) == {"top_k": -1}  # HF's off
@@ -47,7 +48,7 @@ def test_a_prompt_without_sampling_params_samples_as_the_model_recommends(greedy
     defaulted = llm.generate(prompts, use_tqdm=False)
     greedy = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert all(len(out.token_ids) == 5 or out.finish_reason == "stop" for out in defaulted)  # max_new_tokens
-    assert [out.token_ids for out in defaulted] == [out.token_ids[:len(d.token_ids)] for out, d in zip(greedy, defaulted)]
+    assert [out.token_ids for out in defaulted] == [g.token_ids[:len(d.token_ids)] for g, d in zip(greedy, defaulted)]
     explicit = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # the caller's
     assert [len(out.token_ids) for out in explicit] == [8, 8]
     assert llm.inputs.with_defaults(SamplingParams(top_k=5), frozenset({"top_p"})).top_k == 5  # only the unset fields

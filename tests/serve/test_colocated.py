@@ -1,5 +1,6 @@
 """`topology: colocated`: the ingress and the engine replica in one Serve replica (serve_app/colocated.py). The same
-fp32 engine settings as the session's split app, so greedy answers must match it token for token."""
+fp32 engine settings as the session's split app, so greedy answers must match it token for token, but for sampling
+defaults over the model's (greedy, 3 tokens), which only requests that leave those fields unset meet."""
 import asyncio
 import json
 
@@ -11,13 +12,15 @@ from tests.serve.test_hostile_input import assert_echo_attack_leaves_streams_flo
 
 pytestmark = pytest.mark.slow
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0}
+SAMPLING_DEFAULTS = {"top_k": 1, "max_new_tokens": 3}  # vLLM's --override-generation-config
 
 
 @pytest.fixture(scope="module")
 def colocated(serve_app):
     from ray import serve
 
-    with whole_app(serve_app, "colocated", topology="colocated") as base:
+    engine_config = {**serve_app["args"]["engine_config"], "override_generation_config": SAMPLING_DEFAULTS}
+    with whole_app(serve_app, "colocated", topology="colocated", engine_config=engine_config) as base:
         yield base, serve.get_deployment_handle("EngineIngress", app_name="colocated")
 
 
@@ -47,6 +50,27 @@ def test_one_deployment_serves_what_the_split_app_serves(colocated, base_url, au
     split_ranks = httpx.post(base_url + "/v1/rerank", json=rerank, headers=auth, timeout=60).json()["results"]
     together_ranks = httpx.post(base + "/v1/rerank", json=rerank, headers=auth, timeout=60).json()["results"]
     assert [r["index"] for r in together_ranks] == [r["index"] for r in split_ranks]
+    wait_idle(handle)
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(colocated, auth):
+    """vLLM's generation config defaults, served: greedy and 3 new tokens for requests that set neither, through
+    the Responses API too; a request's own fields win."""
+    base, handle = colocated
+    messages = [{"role": "user", "content": "Name three colours."}]
+    with httpx.Client(base_url=base, headers=auth, timeout=120) as client:
+        def chat(**fields) -> dict:
+            reply = client.post("/v1/chat/completions", json={"messages": messages, **fields})
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+
+        defaulted, greedy = chat(), chat(temperature=0.0, max_tokens=3)
+        assert defaulted["usage"]["completion_tokens"] == 3
+        assert defaulted["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+        response = client.post("/v1/responses", json={"input": "Name three colours."}).json()
+        assert response["usage"]["output_tokens"] == 3
+        assert response["output"][0]["content"][0]["text"] == greedy["choices"][0]["message"]["content"]
+        assert chat(max_tokens=6, ignore_eos=True)["usage"]["completion_tokens"] == 6  # the request's own
     wait_idle(handle)
 
 
