@@ -163,7 +163,7 @@ def test_the_core_dies_with_its_parent(tmp_path):
         parent.kill()
 
 
-def test_a_replica_spawns_its_core_before_it_imports_torch_or_transformers():
+def test_a_replica_imports_no_torch_and_spawns_its_core_before_its_front_end_halves_load():
     """A Serve replica's module and the front end's import neither, and AsyncLLMEngine spawns the core process
     before its own input and output halves load: the front end's imports (about 3 s: torch and transformers, on the
     tokenizers' thread) then run beside the core's start instead of before it."""
