@@ -39,6 +39,8 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
     architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if architecture not in NATIVE:
         return f"no native model for {architecture}"
+    if (method := prequantized(hf_config)) is not None:  # packed weights and scales the native linears cannot read
+        return f"pre-quantized weights ({method})"
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         return f"activation {hf_config.hidden_act}"
     if rope_type(hf_config) not in STATIC_ROPE_TYPES:
@@ -49,11 +51,25 @@ def native_unsupported(hf_config, config: EngineConfig) -> str | None:
     return score_shaping(hf_config)
 
 
+def prequantized(hf_config) -> str | None:
+    """The method of a checkpoint stored quantized (its config's quantization_config: bitsandbytes, GPTQ, AWQ,
+    FP8...), or None for dense weights."""
+    quantized = getattr(hf_config, "quantization_config", None)
+    if not quantized:
+        return None
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Model:
     path = resolve_model_path(config.model)
     hf_config = load_hf_config(config)
     if (missing := unimplemented_attention(hf_config)) is not None:
         raise ValueError(f"{config.model}: {missing} not implemented by the engine's paged attention")
+    stored = prequantized(hf_config)
+    if stored is not None and config.quantization is not None:
+        raise ValueError(f"quantization {config.quantization}: {config.model} is stored quantized already ({stored}); "
+                         "leave quantization unset to run it as stored")
     reason = native_unsupported(hf_config, config) if config.model_impl != "hf" else "model_impl is hf"
     for asked, what in ((config.quantization == "gguf", "quantization gguf runs"), (config.compile, "compile runs"),
                         (config.serves_lora, "LoRA adapters (lora_modules, lora_root) run")):
@@ -67,7 +83,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
         log.info("using transformers' modeling code for %s (%s)", config.model, reason)
         from engine.models.hf import load_hf_model
 
-        model = load_hf_model(path, dtype, device, quantization_config(config.quantization, dtype), config.trust_remote_code)
+        model = load_hf_model(path, dtype, device, quantization_config(config.quantization, dtype), config.trust_remote_code,
+                              stored_quantized=stored is not None)
     model.generation_config = _generation_config(path)
     return model
 

@@ -63,15 +63,21 @@ class HFCausalLM(nn.Module):
         return self.hf.get_memory_footprint()
 
 
-def load_hf_model(path: str, dtype: torch.dtype, device: torch.device, quantization_config, trust_remote_code: bool) -> HFCausalLM:
+def load_hf_model(path: str, dtype: torch.dtype, device: torch.device, quantization_config, trust_remote_code: bool,
+                  stored_quantized: bool = False) -> HFCausalLM:
+    """`quantization_config`: weights to quantize as they load; `stored_quantized`: a checkpoint stored quantized,
+    which transformers reads by its own quantization_config. Either way, loaded onto the device by transformers."""
+    placed = quantization_config is not None or stored_quantized
+    # no quantization_config argument at all for a stored one: transformers 5 reads an explicit None as "dense"
+    quantizing = {"quantization_config": quantization_config} if quantization_config is not None else {}
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=dtype,
-        quantization_config=quantization_config,
-        device_map={"": device} if quantization_config is not None else None,
+        device_map={"": device} if placed else None,
         attn_implementation=register(),
         trust_remote_code=trust_remote_code,
+        **quantizing,
     )
-    if quantization_config is None:
+    if not placed:
         model.to(device)
     return HFCausalLM(model.eval())

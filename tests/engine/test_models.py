@@ -75,3 +75,43 @@ def test_llama_family_runs_native_by_default_and_hf_when_asked(llm32, tokenizer)
     native = llm32.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in fallback] == [o.token_ids for o in native]
     assert llm.engine.stats().kv_blocks_free == 64
+
+
+@pytest.fixture(scope="module")
+def stored_nf4(tmp_path_factory):
+    """A checkpoint stored in bitsandbytes' 4-bit format, as unsloth's `-bnb-4bit` models are published."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed on this machine")
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tests.fixtures.tiny_models import tiny_checkpoint
+
+    source = Path(tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama-hd64"))
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    path = tmp_path_factory.mktemp("stored-nf4") / "model"
+    AutoModelForCausalLM.from_pretrained(source, quantization_config=quantized, device_map={"": "cpu"}).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, path / name)
+    return str(path)
+
+
+def test_a_checkpoint_stored_quantized_runs_on_transformers_code_with_its_own_quantization(stored_nf4):
+    """The native linears cannot read packed 4-bit weights and their scales (the start failed on a size mismatch):
+    such a checkpoint runs on transformers' code, which reads its quantization_config, and matches it."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=stored_nf4, dtype="float32", num_kv_blocks=64)
+    assert (llm.engine.settings()["model_impl"], llm.engine.settings()["linear_type"]) == ("hf", "Linear4bit")
+    hf_model = AutoModelForCausalLM.from_pretrained(stored_nf4, dtype=torch.float32, device_map={"": "cpu"}).eval()
+    prompts = [[5, 6, 7, 8, 9], [9, 8, 7], list(range(40, 80))]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert_varied(outputs)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert_matches_hf(hf_model, prompt, out, f"stored nf4 prompt {i}")
+    with pytest.raises(ValueError, match=r"model_impl native cannot run .*: pre-quantized weights \(bitsandbytes\)"):
+        LLM(model=stored_nf4, dtype="float32", num_kv_blocks=64, model_impl="native")
+    with pytest.raises(ValueError, match=r"quantization int8: .* is stored quantized already \(bitsandbytes\)"):
+        LLM(model=stored_nf4, dtype="float32", num_kv_blocks=64, quantization="int8")
