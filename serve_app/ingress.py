@@ -187,6 +187,7 @@ class Ingress:
         request_id = f"resp_{request.state.request_id}"
         try:
             chat = body.chat_request()
+            body.sampled_with((await self._info()).get("sampling_defaults", {}))  # what the response shows
             messages = [m.for_template() for m in chat.messages]
             if body.stream:
                 chunks = await self.stream_chunks(chat, messages, True, request_id)

@@ -60,7 +60,8 @@ class EngineReplica:
         self.frontend.start()
         self.signals = ReplicaSignals()  # what the engine-signal autoscaling policy reads (serve_app/autoscaling.py)
         self.model_info = {"max_model_len": self.frontend.max_model_len, "model": args.model_name,
-                           "engine": self.frontend.settings}
+                           "engine": self.frontend.settings,
+                           "sampling_defaults": self.frontend.inputs.limits.sampling_defaults}
         self.placement = Placement(serve.get_replica_context().replica_id.unique_id,
                                    ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()])
         freeze_gc_heap()

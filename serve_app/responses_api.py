@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from serve_app.errors import OpenAIError, describe_validation_error
@@ -129,6 +129,7 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    _defaults: dict[str, float] = PrivateAttr(default_factory=dict)  # see sampled_with
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stream: bool = False
     tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -204,10 +205,16 @@ class ResponsesRequest(BaseModel):
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         return messages
 
+    def sampled_with(self, defaults: dict[str, float]) -> None:
+        """The model's sampling defaults (engine/sampling_defaults.py), which its unset temperature and top_p took."""
+        self._defaults = defaults
+
     def echo(self) -> dict:
-        """The request's settings, as a response repeats them."""
+        """The request's settings, as a response repeats them: temperature and top_p as sampled."""
+        shown = {name: getattr(self, name) if name in self.model_fields_set else
+                 self._defaults.get(name, getattr(self, name)) for name in ("temperature", "top_p")}
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
+                **shown, "parallel_tool_calls": self.parallel_tool_calls,
                 "tool_choice": self.tool_choice or "auto", "tools": [t.model_dump(by_alias=True) for t in self.tools or []],
                 "text": self.text.model_dump(by_alias=True, exclude_none=True), "metadata": self.metadata or {},
                 "store": False, "truncation": "disabled", "previous_response_id": None, "reasoning": None,

@@ -12,7 +12,7 @@ from tests.serve.test_hostile_input import assert_echo_attack_leaves_streams_flo
 
 pytestmark = pytest.mark.slow
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0}
-SAMPLING_DEFAULTS = {"top_k": 1, "max_new_tokens": 3}  # vLLM's --override-generation-config
+SAMPLING_DEFAULTS = {"top_k": 1, "max_new_tokens": 3, "temperature": 0.5}  # vLLM's --override-generation-config
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,9 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(colocated
         response = client.post("/v1/responses", json={"input": "Name three colours."}).json()
         assert response["usage"]["output_tokens"] == 3
         assert response["output"][0]["content"][0]["text"] == greedy["choices"][0]["message"]["content"]
+        assert (response["temperature"], response["top_p"]) == (0.5, 1.0)  # as sampled
+        chosen = client.post("/v1/responses", json={"input": "Hi", "temperature": 0.0, "max_output_tokens": 2}).json()
+        assert (chosen["temperature"], chosen["usage"]["output_tokens"]) == (0.0, 2)
         assert chat(max_tokens=6, ignore_eos=True)["usage"]["completion_tokens"] == 6  # the request's own
     wait_idle(handle)
 
