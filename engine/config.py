@@ -117,6 +117,9 @@ class EngineConfig(BaseModel):
     # liveness: the replica's health check fails on either, so Serve replaces a broken engine
     max_consecutive_failed_steps: int = Field(default=3, ge=1, description="failed steps in a row before unhealthy")
     step_timeout_s: float = Field(default=120.0, gt=0, description="one step running longer than this is a hung engine")
+    tokenizer: str | None = Field(default=None, description=(
+        "vLLM's --tokenizer: a Hugging Face id or local path whose tokenizer (and chat template) the engine uses in "
+        "place of the model's: for a checkpoint shipped without one; None: the model's"))
     trust_remote_code: bool = False
     generation_config: Literal["auto", "vllm"] = Field(default="auto", description=(
         "vLLM's --generation-config: auto, the model's generation_config.json gives the defaults of temperature, "
@@ -202,4 +205,3 @@ def read_chat_template(value: str) -> str:
     except TemplateSyntaxError as exc:
         raise ValueError(f"chat_template: not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
     return text
-

@@ -70,6 +70,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)  # the core's only use of it: the grammars' vocabulary and EOS ids
         self.max_model_len = min(config.max_model_len or model_max_len(self.model.config), model_max_len(self.model.config))
         self.vocab_size = self.model.vocab_size
+        if config.tokenizer is not None and len(self.tokenizer) > self.vocab_size:  # its ids past the embeddings
+            raise ValueError(f"tokenizer {config.tokenizer!r} has {len(self.tokenizer)} tokens; {config.model} embeds "
+                             f"{self.vocab_size}")
         self.eos_token_ids = self._eos_token_ids()
         decode_kernel = self._decode_kernel()
         fused = fused_ops() if decode_kernel is not None else None

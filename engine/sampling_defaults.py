@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-NAMES = get_args(SamplingDefault)
+GENERATION_CONFIG_NAMES = get_args(SamplingDefault)
 # the SamplingParams (and OpenAI request) fields a default may fill; max_tokens is InputProcessor's to choose
 SAMPLING_DEFAULTS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 
@@ -23,7 +23,7 @@ def sampling_defaults(generation_config: Any, config: EngineConfig) -> dict[str,
     with config's overrides over them. One SamplingParams refuses is left out, with a warning: the file advises."""
     read = generation_config is not None and config.generation_config == "auto"
     given = generation_config.to_diff_dict() if read else {}
-    defaults = {name: given[name] for name in NAMES if given.get(name) is not None}
+    defaults = {name: given[name] for name in GENERATION_CONFIG_NAMES if given.get(name) is not None}
     defaults.update(config.override_generation_config)
     if defaults.get("top_k") == 0:
         defaults["top_k"] = -1  # transformers' "off"
@@ -31,7 +31,7 @@ def sampling_defaults(generation_config: Any, config: EngineConfig) -> dict[str,
         defaults["max_tokens"] = defaults.pop("max_new_tokens")
     for name, value in list(defaults.items()):
         try:
-            SamplingParams(**as_params({name: value}), **({"max_tokens": int(value)} if name == "max_tokens" else {}))
+            SamplingParams(**({"max_tokens": int(value)} if name == "max_tokens" else as_params({name: value})))
         except EngineInputError as exc:
             log.warning("the generation config's %s is left out: %s", name, exc)
             del defaults[name]

@@ -99,7 +99,10 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
-    if is_gguf_file(config.model):
+    if config.tokenizer is not None:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer),
+                                                  trust_remote_code=config.trust_remote_code)
+    elif is_gguf_file(config.model):
         path = Path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:

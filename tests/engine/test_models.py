@@ -115,3 +115,30 @@ def test_a_checkpoint_stored_quantized_runs_on_transformers_code_with_its_own_qu
         LLM(model=stored_nf4, dtype="float32", num_kv_blocks=64, model_impl="native")
     with pytest.raises(ValueError, match=r"quantization int8: .* is stored quantized already \(bitsandbytes\)"):
         LLM(model=stored_nf4, dtype="float32", num_kv_blocks=64, quantization="int8")
+
+
+def test_a_checkpoint_without_a_tokenizer_runs_with_the_one_named(tmp_path):
+    """vLLM's --tokenizer: weights shipped without tokenizer files run with another checkpoint's tokenizer (and its
+    chat template), as the same weights with their own; one with more tokens than the model embeds is refused."""
+    import shutil
+    from pathlib import Path
+
+    from tests.fixtures.tiny_models import tiny_checkpoint
+
+    source = Path(tiny_checkpoint(tmp_path, "llama-hd64"))
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        if (source / name).is_file():
+            shutil.copy(source / name, bare / name)
+    with pytest.raises(Exception):
+        LLM(model=str(bare), dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    conversation = [{"role": "user", "content": "Name three colours."}]
+    named = LLM(model=str(bare), tokenizer=str(source), dtype="float32", num_kv_blocks=64)
+    own = LLM(model=str(source), dtype="float32", num_kv_blocks=64)
+    (a,), (b,) = (llm.chat(conversation, params, use_tqdm=False) for llm in (named, own))
+    assert (a.prompt_token_ids, a.token_ids, a.text) == (b.prompt_token_ids, b.token_ids, b.text)
+    assert_varied([a])
+    with pytest.raises(ValueError, match=r"tokenizer 'SmolLM2-135M-Instruct' has 49152 tokens; .* embeds \d+"):
+        LLM(model=str(bare), tokenizer="SmolLM2-135M-Instruct", dtype="float32", num_kv_blocks=64)
