@@ -23,7 +23,9 @@ class AppArgs(BaseModel):
 
     # the engine: every EngineConfig knob, set under `engine_config:` in a Serve config
     engine_config: EngineConfig = Field(default_factory=lambda: EngineConfig(**SERVING_ENGINE_DEFAULTS))
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = Field(default=None, description=(
+        "vLLM's --served-model-name: the name requests give as `model`; several: any of them is accepted and echoed, "
+        "the first is the one listed first and the metrics' label. None: the model path's last part"))
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(default="hermes", description=(
         "vLLM's --tool-call-parser: the format tool calls are parsed from, forced in, and described in for a chat "
         "template that cannot render tools: hermes (<tool_call> tags: Qwen2.5, Hermes, SmolLM2) or llama3_json "
@@ -97,6 +99,14 @@ class AppArgs(BaseModel):
     def _serving_defaults(cls, value):
         return {**SERVING_ENGINE_DEFAULTS, **value} if isinstance(value, dict) else value
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _names_apart(cls, value):
+        names = [value] if isinstance(value, str) else value or []
+        if value is not None and (not names or not all(names) or len(set(names)) != len(names)):
+            raise ValueError("served_model_name: one or more distinct, non-empty names")
+        return value
+
     @model_validator(mode="after")
     def _router_needs_split(self):
         if self.request_router == "prefix_affinity" and self.topology != "split":
@@ -112,7 +122,13 @@ class AppArgs(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or PurePath(self.engine_config.model).name
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the base model is served as, the first foremost."""
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else names or [PurePath(self.engine_config.model).name]
 
     @property
     def replica_max_ongoing_requests(self) -> int:

@@ -83,7 +83,7 @@ class Ingress:
     async def models(self) -> dict:
         """The base model, then each LoRA adapter with the base as its `parent` (vLLM's listing): lora_modules', then
         those under lora_root where this process can see it (as Ray Serve LLM lists its dynamic adapters)."""
-        names = [self.args.model_name, *self.adapters, *_adapters_under(self.args.engine_config.lora_root, self.adapters)]
+        names = [*self.args.model_names, *self.adapters, *_adapters_under(self.args.engine_config.lora_root, self.adapters)]
         return {"object": "list", "data": [await self.model(name) for name in names]}
 
     async def model(self, model_id: str) -> dict:
@@ -96,17 +96,18 @@ class Ingress:
 
     def _lora_name(self, model_id: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, None for the base model; 404 for a name served by neither."""
-        if model_id is None or model_id == self.args.model_name:
+        if model_id is None or model_id in self.args.model_names:
             return None
         if model_id in self.adapters or (self.args.engine_config.lora_root is not None and ADAPTER_NAME.fullmatch(model_id)):
             return model_id  # one under lora_root: whether it is there, the replica says (a 404 if not)
         adapters = f" and the LoRA adapters {', '.join(map(repr, self.adapters))}" if self.adapters else ""
-        raise OpenAIError(404, f"model '{model_id[:256]}' does not exist; this server serves "
-                               f"'{self.args.model_name}'{adapters}", "model", "model_not_found")
+        served = " or ".join(map(repr, self.args.model_names))
+        raise OpenAIError(404, f"model '{model_id[:256]}' does not exist; this server serves {served}{adapters}",
+                          "model", "model_not_found")
 
     def _model_name(self, model_id: str | None) -> str:
-        """The `model` a response names: the adapter the request chose, else the base model."""
-        return self._lora_name(model_id) or self.args.model_name
+        """The `model` a response names: the adapter or the base model's name the request chose, else the first."""
+        return self._lora_name(model_id) or (model_id if model_id in self.args.model_names else self.args.model_name)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: the ids a completion or chat completion with this prompt would count."""

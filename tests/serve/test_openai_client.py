@@ -45,6 +45,21 @@ def test_retrieving_the_served_model_gives_its_object_and_any_other_id_a_404_nam
         assert error["code"] == "model_not_found" and error["param"] == "model" and other in error["message"]
 
 
+def test_each_served_model_name_is_listed_accepted_and_echoed(serve_app, replica_handle):
+    """vLLM's --served-model-name with several names: any of them is the model, the first is listed first."""
+    from tests.serve.conftest import ingress_only_app
+
+    with ingress_only_app(serve_app, replica_handle, "aliases", served_model_name=[MODEL, "smol"]) as base:
+        aliased = openai.OpenAI(base_url=base + "/v1", api_key=serve_app["api_key"], max_retries=0, timeout=120)
+        assert [m.id for m in aliased.models.list().data] == [MODEL, "smol"]
+        for name in (MODEL, "smol"):
+            reply = aliased.completions.create(model=name, prompt="Hello", max_tokens=2, temperature=0)
+            assert reply.model == name and reply.usage.completion_tokens == 2
+        with pytest.raises(openai.NotFoundError) as refused:
+            aliased.completions.create(model="smol2", prompt="Hello", max_tokens=2)
+        assert f"this server serves '{MODEL}' or 'smol'" in refused.value.body["message"]
+
+
 def test_chat_completion_with_usage_matching_the_tokenizer(client, offline):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)

@@ -104,3 +104,12 @@ def test_ray_env_turns_on_token_auth_and_writes_a_token_only_its_owner_reads(tmp
     monkeypatch.setenv("RAY_AUTH_TOKEN", "from-the-operator")
     ensure_auth_token()
     assert not token.exists(), "a token the operator passes is the one Ray uses; no file is made"
+
+
+def test_served_model_names_are_one_or_more_distinct_names():
+    assert AppArgs(served_model_name="a").model_names == ["a"]
+    assert AppArgs(served_model_name=["a", "b"]).model_name == "a"
+    assert AppArgs().model_names == ["SmolLM2-135M-Instruct"]
+    for bad in ([], ["a", "a"], ["a", ""]):
+        with pytest.raises(ValueError, match="served_model_name: one or more distinct, non-empty names"):
+            AppArgs(served_model_name=bad)
