@@ -35,9 +35,10 @@ class InputProcessor:
         self.max_prompt_chars = limits.max_model_len * max(map(len, tokenizer.get_vocab()))
         # a request given no SamplingParams samples as the model's authors recommend, for as many tokens (vLLM's
         # default sampling params: 16 tokens where the model names no max_new_tokens)
-        defaults = limits.sampling_defaults
-        self.default_params = SamplingParams(**as_params(defaults), **(
-            {"max_tokens": int(defaults["max_tokens"])} if "max_tokens" in defaults else {}))
+        self.sampling_defaults = as_params(limits.sampling_defaults)  # once: with_defaults runs for every request
+        max_tokens = limits.sampling_defaults.get("max_tokens")
+        self.default_params = SamplingParams(**self.sampling_defaults,
+                                             **({"max_tokens": int(max_tokens)} if max_tokens is not None else {}))
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                 arrival_time: float | None = None, cache_salt: str | None = None, tools: list[dict] | None = None,
@@ -65,7 +66,7 @@ class InputProcessor:
 
     def with_defaults(self, params: SamplingParams, unset: frozenset[str]) -> SamplingParams:
         """`params` with the model's sampling defaults in the fields `unset` names (those its request left unset)."""
-        chosen = {name: value for name, value in as_params(self.limits.sampling_defaults).items() if name in unset}
+        chosen = {name: value for name, value in self.sampling_defaults.items() if name in unset}
         return dataclasses.replace(params, **chosen) if chosen else params
 
     def beam_search(self, prompt: Prompt, params: BeamSearchParams, cache_salt: str | None = None, priority: int = 0,

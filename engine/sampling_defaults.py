@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 GENERATION_CONFIG_NAMES = get_args(SamplingDefault)
 # the SamplingParams (and OpenAI request) fields a default may fill; max_tokens is InputProcessor's to choose
-SAMPLING_DEFAULTS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
+SAMPLING_DEFAULTS = frozenset(GENERATION_CONFIG_NAMES) - {"max_new_tokens"}
 
 
 def sampling_defaults(generation_config: Any, config: EngineConfig) -> dict[str, float]:

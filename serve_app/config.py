@@ -102,10 +102,11 @@ class AppArgs(BaseModel):
     @field_validator("served_model_name")
     @classmethod
     def _names_apart(cls, value):
-        names = [value] if isinstance(value, str) else value or []
-        if value is not None and (not names or not all(names) or len(set(names)) != len(names)):
+        """One name or several, kept as a list."""
+        names = [value] if isinstance(value, str) else value
+        if names is not None and (not names or not all(names) or len(set(names)) != len(names)):
             raise ValueError("served_model_name: one or more distinct, non-empty names")
-        return value
+        return names
 
     @model_validator(mode="after")
     def _router_needs_split(self):
@@ -127,8 +128,7 @@ class AppArgs(BaseModel):
     @property
     def model_names(self) -> list[str]:
         """Every name the base model is served as, the first foremost."""
-        names = self.served_model_name
-        return [names] if isinstance(names, str) else names or [PurePath(self.engine_config.model).name]
+        return self.served_model_name or [PurePath(self.engine_config.model).name]
 
     @property
     def replica_max_ongoing_requests(self) -> int:

@@ -99,14 +99,11 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
-    if config.tokenizer is not None:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer),
-                                                  trust_remote_code=config.trust_remote_code)
-    elif is_gguf_file(config.model):
+    if config.tokenizer is None and is_gguf_file(config.model):
         path = Path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model),
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer or config.model),
                                                   trust_remote_code=config.trust_remote_code)
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template

@@ -18,4 +18,3 @@ def test_the_served_engine_runs_with_the_settings_it_was_given(serve_app, replic
         "attention_backend": "cpp", "cuda_graphs": None, "async_scheduling": False, "device": "cpu", "lora_adapters": "",
     }
     assert (given.dtype, given.num_kv_blocks, given.max_num_seqs) == ("float32", 1024, 64)
-
