@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import time
@@ -490,9 +491,16 @@ def _adapters_under(root: str | None, listed: list[str], limit: int = 1000) -> l
     return [name for name in names if name not in listed][:limit]
 
 
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("llm-serve")
+    except importlib.metadata.PackageNotFoundError:  # a copied tree run from its folder, not installed (a GPU check)
+        return "unknown"
+
+
 def build_api(ingress: Ingress) -> FastAPI:
     args = ingress.args
-    api = FastAPI(title="llm-serve", version="1", docs_url=None, redoc_url=None, openapi_url=args.openapi_url)
+    api = FastAPI(title="llm-serve", version=server_version(), docs_url=None, redoc_url=None, openapi_url=args.openapi_url)
     install_error_handlers(api)
     api.add_middleware(BodyLimit, max_bytes=args.max_body_bytes, timeout_s=args.body_timeout_s)
     api.add_middleware(Guard, api_key=args.api_key)  # added last, so outermost: a refused key never reads the body
@@ -500,6 +508,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.get("/health")
     async def health():
         return await ingress.health()
+
+    @api.get("/version")  # vLLM's; behind the key, as every route but /health
+    async def version():
+        return {"version": server_version()}
 
     @api.get("/v1/models")
     async def models():

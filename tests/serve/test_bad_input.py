@@ -1,4 +1,6 @@
 """A matrix of bad requests: each gets its status and an OpenAI error envelope that says what is wrong."""
+import importlib.metadata
+
 import httpx
 import pytest
 
@@ -144,6 +146,11 @@ def test_health_needs_no_key_and_request_ids_are_echoed(base_url, auth):
     assert httpx.get(base_url + "/health", timeout=10).status_code == 200
     r = httpx.post(base_url + CHAT, json=OK_CHAT, headers={**auth, "X-Request-Id": "my-id-42"}, timeout=60)
     assert r.headers["x-request-id"] == "my-id-42" and r.json()["id"] == "my-id-42"
+
+
+def test_version_names_the_installed_server_as_vllms_does(base_url, auth):
+    version = httpx.get(base_url + "/version", headers=auth, timeout=10).json()
+    assert version == {"version": importlib.metadata.version("llm-serve")} and version["version"] != "unknown"
 
 
 def test_a_chunked_body_without_length_is_capped_too(base_url, auth):

@@ -44,6 +44,7 @@ def drain_app(serve_app):
 
 
 @pytest.mark.parametrize("method, route", [("GET", "/v1/models"), ("GET", "/v1/models/any"), ("GET", "/openapi.json"),
+                                           ("GET", "/version"),
                                            ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
                                            ("GET", "/no/such/route")])
 def test_under_a_route_prefix_every_route_but_health_needs_the_key(drain_app, auth, method, route):
