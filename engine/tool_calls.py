@@ -102,7 +102,7 @@ def parse(text: str, fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:
 
 def _blocks(text: str):
     """The stripped text between each opening tag and the next closing one. str.find, not a regex: a lazy group
-    between `\s*`s backtracks quadratically over a long run of whitespace with no closing tag, and the output is
+    between `\\s*`s backtracks quadratically over a long run of whitespace with no closing tag, and the output is
     the model's, which a client can steer (logit_bias)."""
     start = 0
     while (opening := text.find(OPEN, start)) != -1:
