@@ -82,6 +82,7 @@ SIZES = {
                    "tests/engine/kernels/test_triton_matmul.py", "tests/engine/test_gemm_plan.py",
                    "tests/engine/test_split_plan.py",
                    "tests/engine/test_synthetic_models.py", "tests/engine/test_async_scheduling.py",
+                   "tests/engine/test_mixed_workloads.py",
                    "tests/engine/test_cuda_graphs.py", "tests/engine/test_lora.py", "tests/engine/test_embeddings.py",
                    "tests/engine/test_score_shapes.py",
                    "-m", "gpu or not slow", "-p", "no:cacheprovider"]),

@@ -1,0 +1,142 @@
+"""Random mixes of the per-request features, served together under pressure (a KV pool small enough to preempt,
+prefill in chunks of 32 tokens, prompts sharing prefixes, aborts mid-flight, async scheduling off and on; on CUDA, decode in graphs), give each
+request what it gets served alone (fp32: its tokens, finish reason, text and logprobs) and leave every KV block free:
+no request's features, and no other request's, change what it gets."""
+import math
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutput
+from tests.fixtures.tiny_models import tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+VOCAB, FIRST_PLAIN_ID = 4096, 100  # the synthetic tokenizer's; ids below 100 hold its special and byte tokens
+HOT = list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 4))  # ids that biases make likely and stop ids and bans name, so
+                                                     # that a ban or stop given to the wrong row changes an output
+REQUESTS, WORKLOADS = 24, (11, 23, 37, 41, 59, 73)
+STOPS = ["e", "in", "or", "s "]
+REGEXES = [r"[a-z ]{1,30}", r"(yes|no)( [0-9]{1,3}){0,6}"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("mixed"), "llama-hd64")
+
+
+@pytest.fixture(scope="module")
+def alone(checkpoint):
+    """By device and workload, each request served one at a time, in a pool that never preempts: what it gets
+    alone. Filled as the cases ask."""
+    found, engines = {}, {}
+
+    def served_alone(device: str, seed: int) -> dict[str, tuple]:
+        if (device, seed) not in found:
+            llm = engines.setdefault(device, LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=256,
+                                                 max_num_seqs=1))
+            found[device, seed] = {request_id: serve(llm, [(request_id, prompt, params)], {})[request_id]
+                                   for request_id, prompt, params in workload(seed)}
+        return found[device, seed]
+    return served_alone
+
+
+def workload(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(FIRST_PLAIN_ID, VOCAB) for _ in range(rng.randint(20, 60))] for _ in range(3)]
+    requests = []
+    for i in range(REQUESTS):
+        shared = rng.choice(prefixes)[: rng.randint(0, 60)] if rng.random() < 0.6 else []
+        prompt = shared + [rng.randrange(FIRST_PLAIN_ID, VOCAB) for _ in range(rng.randint(1, 20))]
+        requests.append((f"r{i}", prompt, random_params(rng)))
+    return requests
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    chance = rng.random
+    max_tokens = rng.randint(1, 40)
+    extra = {}
+    if chance() < 0.4:  # sampled, seeded (reproducible alone and in any batch); else greedy
+        extra.update(temperature=rng.uniform(0.5, 1.3), seed=rng.randrange(2**31), top_p=rng.choice([1.0, 0.9, 0.6]),
+                     top_k=rng.choice([-1, 5, 40]), min_p=rng.choice([0.0, 0.05]))
+    else:
+        extra["temperature"] = 0.0
+    if chance() < 0.3:
+        extra["logprobs"] = rng.randint(0, 4)
+    if chance() < 0.2:
+        extra["prompt_logprobs"] = rng.randint(0, 2)
+    if chance() < 0.3:
+        extra.update(presence_penalty=rng.uniform(-1, 1), frequency_penalty=rng.uniform(-1, 1))
+    if chance() < 0.3:
+        extra["repetition_penalty"] = rng.uniform(0.8, 1.3)
+    hot = rng.sample(HOT, 2)
+    if chance() < 0.4:
+        extra["logit_bias"] = {**{rng.randrange(VOCAB): rng.uniform(-5, 5) for _ in range(2)},
+                               **{token: rng.uniform(10, 30) for token in hot}}
+    if chance() < 0.4:
+        extra["min_tokens"] = rng.randint(0, min(8, max_tokens))
+    if chance() < 0.3:
+        extra["stop"] = [rng.choice(STOPS)]
+    if chance() < 0.4:
+        extra["stop_token_ids"] = [hot[0]]
+    if chance() < 0.15:
+        extra["bad_words"] = rng.sample(["the", " and", "ing", " of"], 2)
+    kind = chance()
+    if kind < 0.15:
+        extra["structured_output"] = StructuredOutput(regex=rng.choice(REGEXES), param="structured_outputs")
+    elif kind < 0.25:
+        extra["allowed_token_ids"] = rng.sample(range(FIRST_PLAIN_ID, VOCAB), 20)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=chance() < 0.5, **extra)
+
+
+def serve(llm: LLM, requests: list, aborts: dict[int, str]) -> dict[str, tuple]:
+    """Each request's (token ids, finish reason, text, logprobs, prompt logprobs, cached prompt tokens); `aborts`:
+    step -> request id."""
+    for request_id, prompt, params in requests:
+        llm.add_request(request_id, prompt, params)
+    finals, step = {}, 0
+    while llm.has_unfinished_requests():
+        if step in aborts:
+            llm.abort(aborts[step])
+        for out in llm.step():
+            if out.finish_reason is not None:
+                assert out.error is None, (out.request_id, out.error)
+                finals[out.request_id] = (out.live_token_ids[: out.num_tokens], out.finish_reason, out.text,
+                                          out.logprobs, out.prompt_logprobs, out.num_cached_tokens)
+        step += 1
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, "KV blocks left held"
+    return finals
+
+
+def assert_close(got: list | None, want: list | None, label: str) -> None:
+    assert (got is None) == (want is None), label
+    for position, (g, w) in enumerate(zip(got or (), want or ())):
+        assert (g is None) == (w is None) and set(g or ()) == set(w or ()), (label, position)
+        assert all(math.isclose(g[t], w[t], rel_tol=1e-4, abs_tol=1e-4) for t in g or ()), (label, position, g, w)
+    assert len(got or ()) == len(want or ()), label
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", WORKLOADS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint, alone, device, seed,
+                                                                      async_scheduling):
+    want_all = alone(device, seed)
+    llm = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=12, max_num_seqs=8,
+              max_num_batched_tokens=32)
+    llm.engine.async_scheduling = async_scheduling
+    rng = random.Random(seed)
+    aborted = {rng.randint(2, 30): f"r{i}" for i in rng.sample(range(REQUESTS), 2)}
+    served = serve(llm, workload(seed), aborted)
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
+    assert any(cached for *_, cached in served.values()), "no prompt found another's blocks"
+    assert set(served) == set(want_all)  # every request ended, aborted ones included
+    for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _) in served.items():
+        want = want_all[request_id]
+        if reason == "abort":
+            assert request_id in aborted.values() and tokens == want[0][: len(tokens)], request_id
+            continue
+        assert (tokens, reason, text) == want[:3], request_id
+        assert_close(logprobs, want[3], f"{request_id} logprobs")
+        assert_close(prompt_logprobs, want[4], f"{request_id} prompt logprobs")
