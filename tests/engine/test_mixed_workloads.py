@@ -1,7 +1,7 @@
 """Random mixes of the per-request features, served together under pressure (a KV pool small enough to preempt,
-prefill in chunks of 32 tokens, prompts sharing prefixes, aborts mid-flight, async scheduling off and on; on CUDA, decode in graphs), give each
-request what it gets served alone (fp32: its tokens, finish reason, text and logprobs) and leave every KV block free:
-no request's features, and no other request's, change what it gets."""
+prefill in chunks of 32 tokens, prompts sharing prefixes, aborts mid-flight, async scheduling off and on; on CUDA,
+decode in graphs), give each request what it gets served alone (fp32: its tokens, finish reason, text and logprobs)
+and leave every KV block free: no request's features, and no other request's, change what it gets."""
 import math
 import random
 
@@ -33,8 +33,10 @@ def alone(checkpoint):
 
     def served_alone(device: str, seed: int) -> dict[str, tuple]:
         if (device, seed) not in found:
-            llm = engines.setdefault(device, LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=256,
-                                                 max_num_seqs=1))
+            if device not in engines:
+                engines[device] = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=256,
+                                      max_num_seqs=1)
+            llm = engines[device]
             found[device, seed] = {request_id: serve(llm, [(request_id, prompt, params)], {})[request_id]
                                    for request_id, prompt, params in workload(seed)}
         return found[device, seed]
