@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import SpeculativeConfig
 from engine.sampling_params import StructuredOutput
 from tests.fixtures.tiny_models import tiny_checkpoint
 
@@ -16,6 +17,7 @@ VOCAB, FIRST_PLAIN_ID = 4096, 100  # the synthetic tokenizer's; ids below 100 ho
 HOT = list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 4))  # ids that biases make likely and stop ids and bans name, so
                                                      # that a ban or stop given to the wrong row changes an output
 REQUESTS, WORKLOADS = 24, (11, 23, 37, 41, 59, 73)
+DRAFTED_WORKLOADS = (11, 23, 37, 41, 73)  # those where n-gram drafts confirm some tokens (none do in 59's)
 STOPS = ["e", "in", "or", "s "]
 REGEXES = [r"[a-z ]{1,30}", r"(yes|no)( [0-9]{1,3}){0,6}"]
 
@@ -26,20 +28,20 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def alone(checkpoint):
-    """By device and workload, each request served one at a time, in a pool that never preempts: what it gets
-    alone. Filled as the cases ask."""
+def alone():
+    """By checkpoint, device and workload, each request served one at a time, in a pool that never preempts and
+    without speculation: what it gets alone. Filled as the cases ask."""
     found, engines = {}, {}
 
-    def served_alone(device: str, seed: int) -> dict[str, tuple]:
-        if (device, seed) not in found:
-            if device not in engines:
-                engines[device] = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=256,
-                                      max_num_seqs=1)
-            llm = engines[device]
-            found[device, seed] = {request_id: serve(llm, [(request_id, prompt, params)], {})[request_id]
-                                   for request_id, prompt, params in workload(seed)}
-        return found[device, seed]
+    def served_alone(checkpoint: str, device: str, seed: int) -> dict[str, tuple]:
+        if (checkpoint, device, seed) not in found:
+            if (checkpoint, device) not in engines:
+                engines[checkpoint, device] = LLM(model=checkpoint, dtype="float32", device=device,
+                                                  num_kv_blocks=256, max_num_seqs=1)
+            llm = engines[checkpoint, device]
+            found[checkpoint, device, seed] = {request_id: serve(llm, [(request_id, prompt, params)], {})[request_id]
+                                               for request_id, prompt, params in workload(seed)}
+        return found[checkpoint, device, seed]
     return served_alone
 
 
@@ -124,7 +126,7 @@ def assert_close(got: list | None, want: list | None, label: str) -> None:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint, alone, device, seed,
                                                                       async_scheduling):
-    want_all = alone(device, seed)
+    want_all = alone(checkpoint, device, seed)
     llm = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=12, max_num_seqs=8,
               max_num_batched_tokens=32)
     llm.engine.async_scheduling = async_scheduling
@@ -142,3 +144,23 @@ def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint
         assert (tokens, reason, text) == want[:3], request_id
         assert_close(logprobs, want[3], f"{request_id} logprobs")
         assert_close(prompt_logprobs, want[4], f"{request_id} prompt logprobs")
+
+
+@pytest.mark.parametrize("seed", DRAFTED_WORKLOADS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_speculation_beside_every_feature_leaves_greedy_output_as_it_is_alone(checkpoint, alone, device, seed):
+    """N-gram drafts for the rows that may take them, in the same mixes: a greedy request's tokens are its own
+    without speculation (a sampled one's are drawn by the rule that keeps its distribution, not its draws). On this
+    model most drafts are wrong and some right: a wrong one taken for right changes a greedy output."""
+    want_all = alone(checkpoint, device, seed)
+    speculative = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=8,
+                                    weigh_cost=False)  # drafts wherever a match exists, timing aside
+    llm = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=12, max_num_seqs=8,
+              max_num_batched_tokens=32, speculative=speculative)
+    served = serve(llm, workload(seed), {})
+    assert llm.engine.stats().spec_accepted_tokens > 0, "no draft was accepted"
+    params = {request_id: params for request_id, _, params in workload(seed)}
+    for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _) in served.items():
+        if params[request_id].temperature == 0.0:
+            assert (tokens, reason, text) == want_all[request_id][:3], request_id
+            assert_close(logprobs, want_all[request_id][3], f"{request_id} logprobs")
