@@ -1,13 +1,14 @@
 """Random mixes of the per-request features, served together under pressure (a KV pool small enough to preempt,
-prefill in chunks of 32 tokens, prompts sharing prefixes, aborts mid-flight, async scheduling off and on; on CUDA,
-decode in graphs), give each request what it gets served alone (fp32: its tokens, finish reason, text and logprobs)
-and leave every KV block free: no request's features, and no other request's, change what it gets."""
+prefill in chunks of 32 tokens, prompts sharing prefixes, siblings of n > 1, tenants' cache salts, embedding requests,
+aborts mid-flight, async scheduling off and on; on CUDA, decode in graphs), give each request what it gets served
+alone (fp32: its tokens, finish reason, text, logprobs and embedding) and leave every KV block free: no request's
+features, and no other request's, change what it gets."""
 import math
 import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, PoolingParams, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.sampling_params import StructuredOutput
 from tests.fixtures.tiny_models import tiny_checkpoint
@@ -17,7 +18,7 @@ VOCAB, FIRST_PLAIN_ID = 4096, 100  # the synthetic tokenizer's; ids below 100 ho
 HOT = list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 4))  # ids that biases make likely and stop ids and bans name, so
                                                      # that a ban or stop given to the wrong row changes an output
 REQUESTS, WORKLOADS = 24, (11, 23, 37, 41, 59, 73)
-DRAFTED_WORKLOADS = (11, 23, 37, 41, 73)  # those where n-gram drafts confirm some tokens (none do in 59's)
+DRAFTED_WORKLOADS = (11, 23, 59, 73)  # those where n-gram drafts confirm some tokens (none do in 37 and 41)
 STOPS = ["e", "in", "or", "s "]
 REGEXES = [r"[a-z ]{1,30}", r"(yes|no)( [0-9]{1,3}){0,6}"]
 
@@ -39,20 +40,31 @@ def alone():
                 engines[checkpoint, device] = LLM(model=checkpoint, dtype="float32", device=device,
                                                   num_kv_blocks=256, max_num_seqs=1)
             llm = engines[checkpoint, device]
-            found[checkpoint, device, seed] = {request_id: serve(llm, [(request_id, prompt, params)], {})[request_id]
-                                               for request_id, prompt, params in workload(seed)}
+            found[checkpoint, device, seed] = {
+                request[0]: serve(llm, [alone_request(*request)], {})[request[0]] for request in workload(seed)}
         return found[checkpoint, device, seed]
     return served_alone
 
 
-def workload(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
+def workload(seed: int) -> list[tuple[str, list[int], SamplingParams | None, dict]]:
+    """(request id, prompt, params, add_request's other arguments): generations with random features, some of them
+    the siblings an n > 1 request's choices are (the prompt of the request before, which they name as leader), some
+    under a tenant's cache salt, and embedding requests among them."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(FIRST_PLAIN_ID, VOCAB) for _ in range(rng.randint(20, 60))] for _ in range(3)]
     requests = []
     for i in range(REQUESTS):
         shared = rng.choice(prefixes)[: rng.randint(0, 60)] if rng.random() < 0.6 else []
         prompt = shared + [rng.randrange(FIRST_PLAIN_ID, VOCAB) for _ in range(rng.randint(1, 20))]
-        requests.append((f"r{i}", prompt, random_params(rng)))
+        extra = {"cache_salt": rng.choice([None, None, "tenant-a", "tenant-b"])}
+        kind = rng.random()
+        if kind < 0.15:
+            requests.append((f"r{i}", prompt, None, {**extra, "pooling": PoolingParams(normalize=rng.random() < 0.5)}))
+            continue
+        if kind < 0.35 and requests and requests[-1][2] is not None:
+            leader, prompt, _, extra = requests[-1]
+            extra = {"cache_salt": extra["cache_salt"], "prompt_leader": leader}
+        requests.append((f"r{i}", prompt, random_params(rng), extra))
     return requests
 
 
@@ -93,11 +105,16 @@ def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=chance() < 0.5, **extra)
 
 
+def alone_request(request_id: str, prompt: list[int], params: SamplingParams | None, extra: dict) -> tuple:
+    """The request without its leader, which is not there when it runs alone."""
+    return request_id, prompt, params, {name: value for name, value in extra.items() if name != "prompt_leader"}
+
+
 def serve(llm: LLM, requests: list, aborts: dict[int, str]) -> dict[str, tuple]:
-    """Each request's (token ids, finish reason, text, logprobs, prompt logprobs, cached prompt tokens); `aborts`:
-    step -> request id."""
-    for request_id, prompt, params in requests:
-        llm.add_request(request_id, prompt, params)
+    """Each request's (token ids, finish reason, text, logprobs, prompt logprobs, cached prompt tokens, embedding);
+    `aborts`: step -> request id."""
+    for request_id, prompt, params, extra in requests:
+        llm.add_request(request_id, prompt, params, **extra)
     finals, step = {}, 0
     while llm.has_unfinished_requests():
         if step in aborts:
@@ -106,7 +123,7 @@ def serve(llm: LLM, requests: list, aborts: dict[int, str]) -> dict[str, tuple]:
             if out.finish_reason is not None:
                 assert out.error is None, (out.request_id, out.error)
                 finals[out.request_id] = (out.live_token_ids[: out.num_tokens], out.finish_reason, out.text,
-                                          out.logprobs, out.prompt_logprobs, out.num_cached_tokens)
+                                          out.logprobs, out.prompt_logprobs, out.num_cached_tokens, out.embedding)
         step += 1
     manager = llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks, "KV blocks left held"
@@ -136,12 +153,15 @@ def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint
     assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
     assert any(cached for *_, cached in served.values()), "no prompt found another's blocks"
     assert set(served) == set(want_all)  # every request ended, aborted ones included
-    for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _) in served.items():
+    for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _, embedding) in served.items():
         want = want_all[request_id]
         if reason == "abort":
             assert request_id in aborted.values() and tokens == want[0][: len(tokens)], request_id
             continue
         assert (tokens, reason, text) == want[:3], request_id
+        assert (embedding is None) == (want[6] is None), request_id
+        if embedding is not None:
+            assert all(math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-5) for g, w in zip(embedding, want[6])), request_id
         assert_close(logprobs, want[3], f"{request_id} logprobs")
         assert_close(prompt_logprobs, want[4], f"{request_id} prompt logprobs")
 
@@ -159,8 +179,8 @@ def test_speculation_beside_every_feature_leaves_greedy_output_as_it_is_alone(ch
               max_num_batched_tokens=32, speculative=speculative)
     served = serve(llm, workload(seed), {})
     assert llm.engine.stats().spec_accepted_tokens > 0, "no draft was accepted"
-    params = {request_id: params for request_id, _, params in workload(seed)}
-    for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _) in served.items():
-        if params[request_id].temperature == 0.0:
+    params = {request[0]: request[2] for request in workload(seed)}
+    for request_id, (tokens, reason, text, logprobs, *_) in served.items():
+        if params[request_id] is not None and params[request_id].temperature == 0.0:
             assert (tokens, reason, text) == want_all[request_id][:3], request_id
             assert_close(logprobs, want_all[request_id][3], f"{request_id} logprobs")
