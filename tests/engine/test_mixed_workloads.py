@@ -9,8 +9,9 @@ import random
 import pytest
 
 from engine import LLM, PoolingParams, SamplingParams
-from engine.config import SpeculativeConfig
+from engine.config import LoRAModule, SpeculativeConfig
 from engine.sampling_params import StructuredOutput
+from tests.fixtures.lora_adapters import make_adapter
 from tests.fixtures.tiny_models import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -30,27 +31,29 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alone():
-    """By checkpoint, device and workload, each request served one at a time, in a pool that never preempts and
-    without speculation: what it gets alone. Filled as the cases ask."""
+    """By checkpoint, device, workload and adapters, each request served one at a time, in a pool that never
+    preempts and without speculation: what it gets alone. Filled as the cases ask."""
     found, engines = {}, {}
 
-    def served_alone(checkpoint: str, device: str, seed: int) -> dict[str, tuple]:
-        if (checkpoint, device, seed) not in found:
-            if (checkpoint, device) not in engines:
-                engines[checkpoint, device] = LLM(model=checkpoint, dtype="float32", device=device,
-                                                  num_kv_blocks=256, max_num_seqs=1)
-            llm = engines[checkpoint, device]
-            found[checkpoint, device, seed] = {
-                request[0]: serve(llm, [alone_request(*request)], {})[request[0]] for request in workload(seed)}
-        return found[checkpoint, device, seed]
+    def served_alone(checkpoint: str, device: str, seed: int, adapters: tuple = ()) -> dict[str, tuple]:
+        if (checkpoint, device, seed, adapters) not in found:
+            if (checkpoint, device, adapters) not in engines:
+                engines[checkpoint, device, adapters] = LLM(model=checkpoint, dtype="float32", device=device,
+                                                            num_kv_blocks=256, max_num_seqs=1, lora_modules=adapters)
+            llm = engines[checkpoint, device, adapters]
+            found[checkpoint, device, seed, adapters] = {
+                request[0]: serve(llm, [alone_request(*request)], {})[request[0]]
+                for request in workload(seed, adapters)}
+        return found[checkpoint, device, seed, adapters]
     return served_alone
 
 
-def workload(seed: int) -> list[tuple[str, list[int], SamplingParams | None, dict]]:
+def workload(seed: int, adapters: tuple = ()) -> list[tuple[str, list[int], SamplingParams | None, dict]]:
     """(request id, prompt, params, add_request's other arguments): generations with random features, some of them
     the siblings an n > 1 request's choices are (the prompt of the request before, which they name as leader), some
-    under a tenant's cache salt, and embedding requests among them."""
-    rng = random.Random(seed)
+    under a tenant's cache salt, and embedding requests among them; with `adapters`, each generation names one of
+    them or none (a sibling its leader's), drawn apart so the rest of the mix is the same."""
+    rng, pick_adapter = random.Random(seed), random.Random(-seed).choice
     prefixes = [[rng.randrange(FIRST_PLAIN_ID, VOCAB) for _ in range(rng.randint(20, 60))] for _ in range(3)]
     requests = []
     for i in range(REQUESTS):
@@ -63,7 +66,9 @@ def workload(seed: int) -> list[tuple[str, list[int], SamplingParams | None, dic
             continue
         if kind < 0.35 and requests and requests[-1][2] is not None:
             leader, prompt, _, extra = requests[-1]
-            extra = {"cache_salt": extra["cache_salt"], "prompt_leader": leader}
+            extra = {**extra, "prompt_leader": leader}
+        elif adapters:
+            extra["lora_name"] = pick_adapter([None, *(adapter.name for adapter in adapters)])
         requests.append((f"r{i}", prompt, random_params(rng), extra))
     return requests
 
@@ -138,6 +143,21 @@ def assert_close(got: list | None, want: list | None, label: str) -> None:
     assert len(got or ()) == len(want or ()), label
 
 
+def assert_served_as_alone(served: dict[str, tuple], want_all: dict[str, tuple], aborted: dict[int, str]) -> None:
+    assert set(served) == set(want_all)  # every request ended, aborted ones included
+    for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _, embedding) in served.items():
+        want = want_all[request_id]
+        if reason == "abort":
+            assert request_id in aborted.values() and tokens == want[0][: len(tokens)], request_id
+            continue
+        assert (tokens, reason, text) == want[:3], request_id
+        assert (embedding is None) == (want[6] is None), request_id
+        if embedding is not None:
+            assert all(math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-5) for g, w in zip(embedding, want[6])), request_id
+        assert_close(logprobs, want[3], f"{request_id} logprobs")
+        assert_close(prompt_logprobs, want[4], f"{request_id} prompt logprobs")
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", WORKLOADS)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -152,18 +172,7 @@ def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint
     served = serve(llm, workload(seed), aborted)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
     assert any(cached for *_, cached in served.values()), "no prompt found another's blocks"
-    assert set(served) == set(want_all)  # every request ended, aborted ones included
-    for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _, embedding) in served.items():
-        want = want_all[request_id]
-        if reason == "abort":
-            assert request_id in aborted.values() and tokens == want[0][: len(tokens)], request_id
-            continue
-        assert (tokens, reason, text) == want[:3], request_id
-        assert (embedding is None) == (want[6] is None), request_id
-        if embedding is not None:
-            assert all(math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-5) for g, w in zip(embedding, want[6])), request_id
-        assert_close(logprobs, want[3], f"{request_id} logprobs")
-        assert_close(prompt_logprobs, want[4], f"{request_id} prompt logprobs")
+    assert_served_as_alone(served, want_all, aborted)
 
 
 @pytest.mark.parametrize("seed", DRAFTED_WORKLOADS)
@@ -184,3 +193,29 @@ def test_speculation_beside_every_feature_leaves_greedy_output_as_it_is_alone(ch
         if params[request_id] is not None and params[request_id].temperature == 0.0:
             assert (tokens, reason, text) == want_all[request_id][:3], request_id
             assert_close(logprobs, want_all[request_id][3], f"{request_id} logprobs")
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory) -> tuple[LoRAModule, ...]:
+    """Two PEFT adapters of the checkpoint: every projection at rank 8, and q and v at rank 4 with rsLoRA's scale."""
+    pytest.importorskip("peft", reason="peft is not installed (a GPU machine has it where make gpu-wheels shipped it)")
+    root = tmp_path_factory.mktemp("mixed-lora")
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return (LoRAModule(name="every", path=make_adapter(checkpoint, root / "every", 0, r=8, lora_alpha=16,
+                                                       target_modules=every)),
+            LoRAModule(name="qv", path=make_adapter(checkpoint, root / "qv", 1, r=4, lora_alpha=8,
+                                                    target_modules=["q_proj", "v_proj"], use_rslora=True)))
+
+
+@pytest.mark.parametrize("seed", WORKLOADS[:3])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_adapters_in_the_same_mixes_change_only_the_requests_that_name_them(checkpoint, adapters, alone, device,
+                                                                            seed):
+    """Each generation runs on the adapter it names or on none, in batches that hold all three, and its prompt's
+    blocks serve its own adapter only: each gets what it gets alone."""
+    want_all = alone(checkpoint, device, seed, adapters)
+    llm = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=12, max_num_seqs=8,
+              max_num_batched_tokens=32, lora_modules=adapters)
+    served = serve(llm, workload(seed, adapters), {})
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
+    assert_served_as_alone(served, want_all, {})
