@@ -3,12 +3,14 @@ prefill in chunks of 32 tokens, prompts sharing prefixes, siblings of n > 1, ten
 aborts mid-flight, async scheduling off and on; on CUDA, decode in graphs), give each request what it gets served
 alone (fp32: its tokens, finish reason, text, logprobs and embedding) and leave every KV block free: no request's
 features, and no other request's, change what it gets."""
+import asyncio
 import math
 import random
+import time
 
 import pytest
 
-from engine import LLM, PoolingParams, SamplingParams
+from engine import LLM, AsyncLLMEngine, PoolingParams, SamplingParams
 from engine.config import LoRAModule, SpeculativeConfig
 from engine.sampling_params import StructuredOutput
 from tests.fixtures.lora_adapters import make_adapter
@@ -143,12 +145,12 @@ def assert_close(got: list | None, want: list | None, label: str) -> None:
     assert len(got or ()) == len(want or ()), label
 
 
-def assert_served_as_alone(served: dict[str, tuple], want_all: dict[str, tuple], aborted: dict[int, str]) -> None:
+def assert_served_as_alone(served: dict[str, tuple], want_all: dict[str, tuple], aborted: set[str]) -> None:
     assert set(served) == set(want_all)  # every request ended, aborted ones included
     for request_id, (tokens, reason, text, logprobs, prompt_logprobs, _, embedding) in served.items():
         want = want_all[request_id]
         if reason == "abort":
-            assert request_id in aborted.values() and tokens == want[0][: len(tokens)], request_id
+            assert request_id in aborted and tokens == want[0][: len(tokens)], request_id
             continue
         assert (tokens, reason, text) == want[:3], request_id
         assert (embedding is None) == (want[6] is None), request_id
@@ -172,7 +174,7 @@ def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint
     served = serve(llm, workload(seed), aborted)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
     assert any(cached for *_, cached in served.values()), "no prompt found another's blocks"
-    assert_served_as_alone(served, want_all, aborted)
+    assert_served_as_alone(served, want_all, set(aborted.values()))
 
 
 @pytest.mark.parametrize("seed", DRAFTED_WORKLOADS)
@@ -218,4 +220,52 @@ def test_adapters_in_the_same_mixes_change_only_the_requests_that_name_them(chec
               max_num_batched_tokens=32, lora_modules=adapters)
     served = serve(llm, workload(seed, adapters), {})
     assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
-    assert_served_as_alone(served, want_all, {})
+    assert_served_as_alone(served, want_all, set())
+
+
+def final_tuple(out) -> tuple:
+    return (out.live_token_ids[: out.num_tokens], out.finish_reason, out.text, out.logprobs, out.prompt_logprobs,
+            out.num_cached_tokens, out.embedding)
+
+
+async def serve_concurrently(engine: AsyncLLMEngine, requests: list, aborted: set[str]) -> dict[str, tuple]:
+    """Every request as its own stream, as served clients send them; those in `aborted` are aborted after their
+    first output. Each request's last output, as `serve` gives it."""
+    async def one(request_id: str, prompt: list[int], params: SamplingParams | None, extra: dict):
+        last = None
+        async for out in engine.add_request(request_id, prompt, params, **extra):
+            assert out.error is None, (request_id, out.error)
+            if last is None and request_id in aborted:
+                await engine.abort(request_id)
+            last = out
+        return request_id, final_tuple(last)
+
+    return dict(await asyncio.gather(*(one(*request) for request in requests)))
+
+
+def test_through_a_core_process_each_request_gets_what_it_gets_alone(checkpoint, alone):
+    """A mix as concurrent streams into an engine core in its own process (how a Serve replica runs it): every
+    field crosses the process boundary intact, the two longest generations are aborted after their first output,
+    and every block is free afterwards."""
+    seed = WORKLOADS[0]
+    want_all = alone(checkpoint, "cpu", seed)
+    longest = sorted((request for request in workload(seed) if request[2] is not None), key=lambda r: -r[2].max_tokens)
+    aborted = {request[0] for request in longest[:2]}
+
+    async def run() -> tuple[dict[str, tuple], object]:
+        engine = AsyncLLMEngine(model=checkpoint, dtype="float32", num_kv_blocks=12, max_num_seqs=8,
+                                max_num_batched_tokens=32, engine_process=True)
+        try:
+            served = await serve_concurrently(engine, workload(seed), aborted)
+            deadline = time.monotonic() + 30
+            while (stats := engine.stats()).kv_blocks_free < stats.kv_blocks_total:  # aborts free on the next step
+                assert time.monotonic() < deadline, stats
+                await asyncio.sleep(0.05)
+            return served, stats
+        finally:
+            engine.shutdown()
+
+    served, stats = asyncio.run(run())
+    assert stats.num_preemptions > 0, "the pool never ran short: nothing was preempted"
+    assert {served[request_id][1] for request_id in aborted} == {"abort"}
+    assert_served_as_alone(served, want_all, aborted)
