@@ -20,6 +20,9 @@ pytestmark = pytest.mark.slow
 VOCAB, FIRST_PLAIN_ID = 4096, 100  # the synthetic tokenizer's; ids below 100 hold its special and byte tokens
 HOT = list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 4))  # ids that biases make likely and stop ids and bans name, so
                                                      # that a ban or stop given to the wrong row changes an output
+# fixed mixes: every greedy choice in them wins by at least 8e-4 in the processed logits, where fp32's rounding
+# across batch shapes moves them ~1e-5, so no machine's rounding flips one (a random mix can hold a closer tie: one
+# of 150 tried did; and unnormalized embeddings of values ~3 move by up to ~3e-5)
 REQUESTS, WORKLOADS = 24, (11, 23, 37, 41, 59, 73)
 DRAFTED_WORKLOADS = (11, 23, 59, 73)  # those where n-gram drafts confirm some tokens (none do in 37 and 41)
 STOPS = ["e", "in", "or", "s "]
@@ -155,7 +158,7 @@ def assert_served_as_alone(served: dict[str, tuple], want_all: dict[str, tuple],
         assert (tokens, reason, text) == want[:3], request_id
         assert (embedding is None) == (want[6] is None), request_id
         if embedding is not None:
-            assert all(math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-5) for g, w in zip(embedding, want[6])), request_id
+            assert all(math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-4) for g, w in zip(embedding, want[6])), request_id
         assert_close(logprobs, want[3], f"{request_id} logprobs")
         assert_close(prompt_logprobs, want[4], f"{request_id} prompt logprobs")
 
