@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine import LLM, AsyncLLMEngine, PoolingParams, SamplingParams
+from engine import LLM, AsyncLLMEngine, BeamSearchParams, PoolingParams, SamplingParams
 from engine.config import LoRAModule, SpeculativeConfig
 from engine.sampling_params import StructuredOutput
 from tests.fixtures.lora_adapters import make_adapter
@@ -247,28 +247,38 @@ async def serve_concurrently(engine: AsyncLLMEngine, requests: list, aborted: se
 
 
 def test_through_a_core_process_each_request_gets_what_it_gets_alone(checkpoint, alone):
-    """A mix as concurrent streams into an engine core in its own process (how a Serve replica runs it): every
-    field crosses the process boundary intact, the two longest generations are aborted after their first output,
-    and every block is free afterwards."""
+    """A mix as concurrent streams into an engine core in its own process (how a Serve replica runs it), two beam
+    searches among them: every field crosses the process boundary intact, the two longest generations are aborted
+    after their first output, each beam search finds the beams it finds alone, and every block is free afterwards."""
     seed = WORKLOADS[0]
     want_all = alone(checkpoint, "cpu", seed)
     longest = sorted((request for request in workload(seed) if request[2] is not None), key=lambda r: -r[2].max_tokens)
     aborted = {request[0] for request in longest[:2]}
+    beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    beam_prompts = [workload(seed)[0][1], workload(seed)[1][1]]
+    want_beams = LLM(model=checkpoint, dtype="float32", num_kv_blocks=256).beam_search(beam_prompts, beams,
+                                                                                       use_tqdm=False)
 
-    async def run() -> tuple[dict[str, tuple], object]:
+    async def run() -> tuple[dict[str, tuple], list, object]:
         engine = AsyncLLMEngine(model=checkpoint, dtype="float32", num_kv_blocks=12, max_num_seqs=8,
                                 max_num_batched_tokens=32, engine_process=True)
         try:
-            served = await serve_concurrently(engine, workload(seed), aborted)
+            searches = [engine.beam_search(f"beam-{i}", prompt, beams, lambda tokens: "")
+                        for i, prompt in enumerate(beam_prompts)]
+            served, *found = await asyncio.gather(serve_concurrently(engine, workload(seed), aborted), *searches)
             deadline = time.monotonic() + 30
             while (stats := engine.stats()).kv_blocks_free < stats.kv_blocks_total:  # aborts free on the next step
                 assert time.monotonic() < deadline, stats
                 await asyncio.sleep(0.05)
-            return served, stats
+            return served, found, stats
         finally:
             engine.shutdown()
 
-    served, stats = asyncio.run(run())
+    served, found, stats = asyncio.run(run())
     assert stats.num_preemptions > 0, "the pool never ran short: nothing was preempted"
     assert {served[request_id][1] for request_id in aborted} == {"abort"}
     assert_served_as_alone(served, want_all, aborted)
+    for got, want in zip(found, want_beams):
+        assert [beam.tokens for beam in got.sequences] == [beam.tokens for beam in want.sequences]
+        assert all(math.isclose(g.cum_logprob, w.cum_logprob, rel_tol=1e-4, abs_tol=1e-4)
+                   for g, w in zip(got.sequences, want.sequences))
