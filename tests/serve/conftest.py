@@ -96,9 +96,11 @@ def wait_idle(handle, timeout_s: float = 10) -> dict:
 
 
 @contextlib.contextmanager
-def whole_app(serve_app, name: str, **changes):
+def whole_app(serve_app, name: str, kill_on_exit: bool = False, **changes):
     """A second app, ingress and engine replica, built from the session's args with `changes`, at /{name}: for
-    engine settings the session's replica does not have. Yields its base URL and deletes the app afterwards."""
+    engine settings the session's replica does not have. Yields its base URL and deletes the app afterwards; with
+    `kill_on_exit`, its replicas are killed as it is deleted, for an app whose test leaves one starting (Serve's
+    delete waits out a starting replica's model load: 13 s of the suite's teardown in test_prefix_routing)."""
     from ray import serve
 
     from serve_app.app import build_app
@@ -109,7 +111,27 @@ def whole_app(serve_app, name: str, **changes):
         wait_healthy(base, 300)
         yield base
     finally:
-        serve.delete(name)
+        if kill_on_exit:
+            _delete_killing_replicas(name)
+        else:
+            serve.delete(name)
+
+
+def _delete_killing_replicas(name: str, timeout_s: float = 60) -> None:
+    """Delete the app without waiting, kill its replicas (the controller, deleting it, starts none again), then wait
+    until the app is gone."""
+    import ray
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == "serve" and actor["name"].startswith(f"SERVE_REPLICA::{name}#"):
+            with contextlib.suppress(ValueError):  # gone already
+                ray.kill(ray.get_actor(actor["name"], namespace="serve"))
+    deadline = time.monotonic() + timeout_s
+    while name in serve.status().applications:
+        assert time.monotonic() < deadline, f"app {name} still there {timeout_s} s after its deletion"
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
