@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import logging
 import os
@@ -491,6 +492,7 @@ def _adapters_under(root: str | None, listed: list[str], limit: int = 1000) -> l
     return [name for name in names if name not in listed][:limit]
 
 
+@functools.cache  # a scan of the installed distributions' metadata: once a process
 def server_version() -> str:
     try:
         return importlib.metadata.version("llm-serve")
@@ -500,7 +502,8 @@ def server_version() -> str:
 
 def build_api(ingress: Ingress) -> FastAPI:
     args = ingress.args
-    api = FastAPI(title="llm-serve", version=server_version(), docs_url=None, redoc_url=None, openapi_url=args.openapi_url)
+    api = FastAPI(title="llm-serve", version=server_version(), docs_url=None, redoc_url=None,
+                  openapi_url=args.openapi_url)
     install_error_handlers(api)
     api.add_middleware(BodyLimit, max_bytes=args.max_body_bytes, timeout_s=args.body_timeout_s)
     api.add_middleware(Guard, api_key=args.api_key)  # added last, so outermost: a refused key never reads the body

@@ -24,8 +24,8 @@ def two_replicas(serve_app):
     from ray import serve
 
     engine = {**serve_app["args"]["engine_config"], "num_threads": 1}
-    with whole_app(serve_app, APP, kill_on_exit=True, request_router="prefix_affinity", min_replicas=2, max_replicas=2,
-                   ingress_min_replicas=2, num_cpus=0, report_cached_tokens=True, engine_config=engine,
+    with whole_app(serve_app, APP, kill_on_exit=True, request_router="prefix_affinity", min_replicas=2,
+                   max_replicas=2, ingress_min_replicas=2, num_cpus=0, report_cached_tokens=True, engine_config=engine,
                    prefix_affinity={"share_period_s": SHARE_PERIOD_S}) as base:
         deadline = time.monotonic() + 300
         deployments = serve.status().applications[APP].deployments
