@@ -282,3 +282,33 @@ def test_through_a_core_process_each_request_gets_what_it_gets_alone(checkpoint,
         assert [beam.tokens for beam in got.sequences] == [beam.tokens for beam in want.sequences]
         assert all(math.isclose(g.cum_logprob, w.cum_logprob, rel_tol=1e-4, abs_tol=1e-4)
                    for g, w in zip(got.sequences, want.sequences))
+
+
+def random_configuration(rng: random.Random, checkpoint: str) -> dict:
+    """An engine configuration the mixes fit: any block size, pool, batch, budget, cache, policy, backend, dtype."""
+    block = rng.choice([8, 16, 32])
+    return dict(model=checkpoint, dtype=rng.choice(["float32", "float32", "bfloat16"]), block_size=block,
+                num_kv_blocks=rng.choice([150, 200, 300]) // block, max_num_seqs=rng.choice([1, 2, 8]),
+                max_num_batched_tokens=max(block, rng.choice([8, 16, 64])), enable_prefix_caching=rng.random() < 0.7,
+                scheduling_policy=rng.choice(["fcfs", "priority"]),
+                attention_backend=rng.choice(["torch", "cpp", "auto"]))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("seed", range(1000, 1100))
+def test_random_configurations_serve_random_mixes(checkpoint, alone, seed):
+    """A hundred random configurations, each under its own random mix with random priorities and three aborts: no
+    request errs, every request ends and every block frees; in fp32, each request gets what it gets alone. (The
+    configurations' rounding differs from the alone engine's: a mix can meet a near-tie; none of these do.)"""
+    rng = random.Random(seed * 31)
+    config = random_configuration(rng, checkpoint)
+    llm = LLM(**config)
+    llm.engine.async_scheduling = rng.random() < 0.5
+    requests = workload(seed)
+    if config["scheduling_policy"] == "priority":
+        requests = [(*request[:3], {**request[3], "priority": rng.randint(-3, 3)}) for request in requests]
+    aborted = {rng.randint(1, 40): f"r{i}" for i in rng.sample(range(REQUESTS), 3)}
+    served = serve(llm, requests, aborted)
+    assert set(served) == {request[0] for request in requests}
+    if config["dtype"] == "float32":
+        assert_served_as_alone(served, alone(checkpoint, "cpu", seed), set(aborted.values()))
