@@ -24,6 +24,8 @@ HOT = list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 4))  # ids that biases make li
 # across batch shapes moves them ~1e-5, so no machine's rounding flips one (a random mix can hold a closer tie: one
 # of 150 tried did; and unnormalized embeddings of values ~3 move by up to ~3e-5)
 REQUESTS, WORKLOADS = 24, (11, 23, 37, 41, 59, 73)
+# a pool of 12 blocks of 16 (a mix preempts), 8 rows, prefill in chunks of 32 tokens
+PRESSED = dict(dtype="float32", num_kv_blocks=12, max_num_seqs=8, max_num_batched_tokens=32)
 DRAFTED_WORKLOADS = (11, 23, 59, 73)  # those where n-gram drafts confirm some tokens (none do in 37 and 41)
 STOPS = ["e", "in", "or", "s "]
 REGEXES = [r"[a-z ]{1,30}", r"(yes|no)( [0-9]{1,3}){0,6}"]
@@ -120,6 +122,12 @@ def alone_request(request_id: str, prompt: list[int], params: SamplingParams | N
     return request_id, prompt, params, {name: value for name, value in extra.items() if name != "prompt_leader"}
 
 
+def final_tuple(out) -> tuple:
+    """A finished output as the tests compare it."""
+    return (out.live_token_ids[: out.num_tokens], out.finish_reason, out.text, out.logprobs, out.prompt_logprobs,
+            out.num_cached_tokens, out.embedding)
+
+
 def serve(llm: LLM, requests: list, aborts: dict[int, str]) -> dict[str, tuple]:
     """Each request's (token ids, finish reason, text, logprobs, prompt logprobs, cached prompt tokens, embedding);
     `aborts`: step -> request id."""
@@ -132,8 +140,7 @@ def serve(llm: LLM, requests: list, aborts: dict[int, str]) -> dict[str, tuple]:
         for out in llm.step():
             if out.finish_reason is not None:
                 assert out.error is None, (out.request_id, out.error)
-                finals[out.request_id] = (out.live_token_ids[: out.num_tokens], out.finish_reason, out.text,
-                                          out.logprobs, out.prompt_logprobs, out.num_cached_tokens, out.embedding)
+                finals[out.request_id] = final_tuple(out)
         step += 1
     manager = llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks, "KV blocks left held"
@@ -169,8 +176,7 @@ def assert_served_as_alone(served: dict[str, tuple], want_all: dict[str, tuple],
 def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint, alone, device, seed,
                                                                       async_scheduling):
     want_all = alone(checkpoint, device, seed)
-    llm = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=12, max_num_seqs=8,
-              max_num_batched_tokens=32)
+    llm = LLM(model=checkpoint, device=device, **PRESSED)
     llm.engine.async_scheduling = async_scheduling
     rng = random.Random(seed)
     aborted = {rng.randint(2, 30): f"r{i}" for i in rng.sample(range(REQUESTS), 2)}
@@ -189,11 +195,11 @@ def test_speculation_beside_every_feature_leaves_greedy_output_as_it_is_alone(ch
     want_all = alone(checkpoint, device, seed)
     speculative = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=8,
                                     weigh_cost=False)  # drafts wherever a match exists, timing aside
-    llm = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=12, max_num_seqs=8,
-              max_num_batched_tokens=32, speculative=speculative)
-    served = serve(llm, workload(seed), {})
+    llm = LLM(model=checkpoint, device=device, speculative=speculative, **PRESSED)
+    requests = workload(seed)
+    served = serve(llm, requests, {})
     assert llm.engine.stats().spec_accepted_tokens > 0, "no draft was accepted"
-    params = {request[0]: request[2] for request in workload(seed)}
+    params = {request[0]: request[2] for request in requests}
     for request_id, (tokens, reason, text, logprobs, *_) in served.items():
         if params[request_id] is not None and params[request_id].temperature == 0.0:
             assert (tokens, reason, text) == want_all[request_id][:3], request_id
@@ -219,16 +225,10 @@ def test_adapters_in_the_same_mixes_change_only_the_requests_that_name_them(chec
     """Each generation runs on the adapter it names or on none, in batches that hold all three, and its prompt's
     blocks serve its own adapter only: each gets what it gets alone."""
     want_all = alone(checkpoint, device, seed, adapters)
-    llm = LLM(model=checkpoint, dtype="float32", device=device, num_kv_blocks=12, max_num_seqs=8,
-              max_num_batched_tokens=32, lora_modules=adapters)
+    llm = LLM(model=checkpoint, device=device, lora_modules=adapters, **PRESSED)
     served = serve(llm, workload(seed, adapters), {})
     assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
     assert_served_as_alone(served, want_all, set())
-
-
-def final_tuple(out) -> tuple:
-    return (out.live_token_ids[: out.num_tokens], out.finish_reason, out.text, out.logprobs, out.prompt_logprobs,
-            out.num_cached_tokens, out.embedding)
 
 
 async def serve_concurrently(engine: AsyncLLMEngine, requests: list, aborted: set[str]) -> dict[str, tuple]:
@@ -251,21 +251,20 @@ def test_through_a_core_process_each_request_gets_what_it_gets_alone(checkpoint,
     searches among them: every field crosses the process boundary intact, the two longest generations are aborted
     after their first output, each beam search finds the beams it finds alone, and every block is free afterwards."""
     seed = WORKLOADS[0]
-    want_all = alone(checkpoint, "cpu", seed)
-    longest = sorted((request for request in workload(seed) if request[2] is not None), key=lambda r: -r[2].max_tokens)
+    want_all, requests = alone(checkpoint, "cpu", seed), workload(seed)
+    longest = sorted((request for request in requests if request[2] is not None), key=lambda r: -r[2].max_tokens)
     aborted = {request[0] for request in longest[:2]}
     beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
-    beam_prompts = [workload(seed)[0][1], workload(seed)[1][1]]
+    beam_prompts = [requests[0][1], requests[1][1]]
     want_beams = LLM(model=checkpoint, dtype="float32", num_kv_blocks=256).beam_search(beam_prompts, beams,
                                                                                        use_tqdm=False)
 
     async def run() -> tuple[dict[str, tuple], list, object]:
-        engine = AsyncLLMEngine(model=checkpoint, dtype="float32", num_kv_blocks=12, max_num_seqs=8,
-                                max_num_batched_tokens=32, engine_process=True)
+        engine = AsyncLLMEngine(model=checkpoint, engine_process=True, **PRESSED)
         try:
             searches = [engine.beam_search(f"beam-{i}", prompt, beams, lambda tokens: "")
                         for i, prompt in enumerate(beam_prompts)]
-            served, *found = await asyncio.gather(serve_concurrently(engine, workload(seed), aborted), *searches)
+            served, *found = await asyncio.gather(serve_concurrently(engine, requests, aborted), *searches)
             deadline = time.monotonic() + 30
             while (stats := engine.stats()).kv_blocks_free < stats.kv_blocks_total:  # aborts free on the next step
                 assert time.monotonic() < deadline, stats
