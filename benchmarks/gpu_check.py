@@ -206,8 +206,9 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
     with heap_frozen_during():  # as generate() steps: a full collection of the old heap is not the engine's step
         for _ in range(WARM_STEPS):
             llm.step()
-        counters = llm.engine.counters
+        counters, graphs = llm.engine.counters, llm.engine.runner.graphs
         before, ahead, front_end = counters["generation_tokens"], counters["num_steps_ahead"], llm.front_end_seconds
+        advanced = graphs.num_advanced if graphs is not None else 0
         sync(device)
         pauses, started = GcPauses(), time.perf_counter()
         for _ in range(sizes.decode_steps):
@@ -218,6 +219,8 @@ def decode_rate(llm, device: str, batch: int, sizes: Sizes, sampling: dict | Non
     _finish(llm, ids)
     return {"batch": batch, "step_ms": round(1e3 * seconds / sizes.decode_steps, 3), "tok_s": round(tokens / seconds, 1),
             "tokens": tokens, "steps_ahead": counters["num_steps_ahead"] - ahead,
+            # steps ahead whose inputs the graphs' buffers advanced on the device (cuda_graphs.DecodeGraphs.advance)
+            "steps_advanced": (graphs.num_advanced if graphs is not None else 0) - advanced,
             "gc_ms": round(1e3 * sum(pauses.seconds.values()), 3),  # the collector's pauses inside the window
             # the front end's host time a step (detokenizing), between the inline core's steps
             "front_end_ms": round(1e3 * (llm.front_end_seconds - front_end) / sizes.decode_steps, 3)}
@@ -406,6 +409,9 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
                 # when it stops: as many land as are timed
                 if row["tokens"] != row["batch"] * sizes.decode_steps:
                     failures.append(f"decode {rows} batch {row['batch']}: {row['tokens']} tokens")
+                if rows == "graphs_async" and row["steps_advanced"] < row["steps_ahead"] - 1:
+                    failures.append(f"decode {rows} batch {row['batch']}: {row['steps_advanced']} of "
+                                    f"{row['steps_ahead']} steps ahead advanced the graphs' buffers")
         if not eager:  # the largest batch sampled as chat clients ask, async scheduling off and on
             for rows, ahead in (("graphs_sampled", False), ("graphs_sampled_async", True)):
                 with async_scheduling(llm, ahead):

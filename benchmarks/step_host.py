@@ -4,7 +4,9 @@ that time is the GPU's idle time, unless async scheduling overlaps it (the first
 step). Phases come from the engine's own PhaseTimer; "host" is the step's wall time less its forward. Steps run
 through `LLM.step()`, as `generate`'s do, and "front_end" is its time in the output processor (detokenizing), which an
 inline core spends between its steps; "step" is the core's alone. Medians of several rounds; requests report once,
-at the end, as `generate`'s do.
+at the end, as `generate`'s do. `--graph-buffers`: decode steps through the CUDA graphs' input buffers (run eagerly
+here) with the replay itself stubbed to a constant hidden state, so "step" is what a GPU's host does around each
+replay, steps ahead advancing the buffers on the device included.
 
 python benchmarks/step_host.py --batches 1,32,128,256 --out benchmarks/results/step-host.json
 """
@@ -34,7 +36,7 @@ TINY = dict(SIZES["cpu"].model, num_hidden_layers=1, hidden_size=64, intermediat
             num_key_value_heads=1)
 
 
-def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str) -> dict:
+def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str, graph_buffers: bool = False) -> dict:
     from engine import LLM, SamplingParams
     from engine.step_stats import heap_frozen_during
 
@@ -43,6 +45,11 @@ def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str) -> dict
     engine = llm.engine
     if ahead:
         engine.async_scheduling = True
+    if graph_buffers:
+        engine.runner.num_splits_for = lambda *_: 1  # the Triton kernel's rule; no attention runs in the stubbed replay
+        graphs = engine.runner.capture_graphs(batch, engine.max_model_len, capture=False)
+        hidden = torch.zeros(graphs.max_batch, TINY["hidden_size"])
+        graphs._forward = lambda b: hidden[:b]  # the replay: the GPU's time, not the host's
     params = SamplingParams(max_tokens=rounds * steps + 40, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts(batch, 32, SIZES["cpu"].vocab_size, 1)):
         llm.add_request(f"r{i}", prompt, params, final_only=True)
@@ -58,13 +65,13 @@ def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str) -> dict
             wall = (time.perf_counter() - started) / steps - front_end
             phases = {k: (v - before[k]) / steps for k, v in engine.phases.seconds.items()}
             results.append({**phases, "step": wall, "host": wall - phases["forward"], "front_end": front_end})
-    return {"batch": batch, "async_scheduling": ahead,
+    return {"batch": batch, "async_scheduling": ahead, "graph_buffers": graph_buffers,
             **{k: round(1e3 * statistics.median(r[k] for r in results), 3) for k in results[0]}}
 
 
 @cli.command()
 def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: bool = True,
-         out: Path | None = None):
+         graph_buffers: bool = False, out: Path | None = None):
     """Writes rows of milliseconds per step: host (wall less forward), each phase, and the whole step."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "step-host-model"
@@ -73,7 +80,8 @@ def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: 
     path = build_model("cpu", sizes, torch.float32, workdir)
     torch.set_num_threads(1)
     cases = [(int(b), ahead) for b in batches.split(",") for ahead in ((False, True) if both else (False,))]
-    rows = [measure(b, ahead, rounds, steps, path) for b, ahead in tqdm(cases, desc="batches", unit="case")]
+    rows = [measure(b, ahead, rounds, steps, path, graph_buffers)
+            for b, ahead in tqdm(cases, desc="batches", unit="case")]
     table = Table(title="decode step, ms (median of rounds)")
     columns = ("batch", "async_scheduling", "host", "schedule", "prepare", "forward", "sample", "output", "step",
                "front_end")

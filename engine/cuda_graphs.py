@@ -12,6 +12,11 @@ one-token context (the attention reads one valid slot and its output is discarde
 fixed per bucket at capture (sized for the longest context the engine admits); each sequence's part size is worked
 out inside the kernel from its own length, so one graph serves any lengths.
 
+A step launched ahead (async scheduling) over the same sequences as the step it follows advances the buffers on the
+device instead (`advance`): each row's position and context length one further, its slot read from its block table,
+which changes only where a sequence took a new block; so the host builds no per-row list for it, as vLLM's persistent
+batch (`InputBatch`) keeps the rows' state from step to step.
+
 Where the device is not CUDA, `capture=False` runs the same buffers eagerly: how the tests check the buffer and
 padding logic on CPU (with the Triton kernels under triton's interpreter).
 """
@@ -40,6 +45,7 @@ class DecodeGraphs:
         """`num_splits(batch)`: the attention's split count for a bucket; `gemm_plan`: the linears' kernels
         (engine/gemm_plan.py), None: cuBLAS."""
         self.model = model
+        self.block_size = block_size
         self.device = kv_cache.device
         self.buckets = batch_buckets(max_num_seqs)
         rows, width = self.buckets[-1], -(-max_model_len // block_size)
@@ -57,6 +63,7 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's output: the final norm's [b, hidden]
         self.memory_bytes = 0
         self.gemm_plan = gemm_plan
+        self.num_advanced = 0  # steps whose inputs were advanced on the device rather than copied from the host
         if capture:
             self._capture()
 
@@ -101,6 +108,27 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(decode.context_lens, non_blocking=True)
         self.slot_mapping[n:b].fill_(-1)  # rows a larger step left behind are padding again
         self.context_lens[n:b].fill_(1)
+        return self.replay(n)
+
+    def advance(self, input_ids: torch.Tensor, new_blocks: tuple[torch.Tensor, ...] | None) -> None:
+        """The inputs of the step after the one the buffers hold, over the same n sequences in the same order, each
+        one token further: `input_ids` [n] on the device; `new_blocks` (rows, columns, block ids) the block-table
+        entries sequences took since, or None. Padding rows stay as the step before left them; `replay(n)` runs it."""
+        n = input_ids.shape[0]
+        positions, block_size = self.positions[:n], self.block_size
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        positions += 1
+        torch.add(positions, 1, out=self.context_lens[:n])
+        if new_blocks is not None:
+            rows, columns, blocks = new_blocks
+            self.block_tables.index_put_((rows, columns), blocks)
+        pages = self.block_tables[:n].gather(1, torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1))
+        torch.add(positions % block_size, pages.squeeze(1), alpha=block_size, out=self.slot_mapping[:n])
+        self.num_advanced += 1
+
+    def replay(self, n: int) -> torch.Tensor:
+        """The bucket's graph over the buffers as they stand -> logits of their first n rows."""
+        b = self.bucket(n)
         if b in self.graphs:
             self.graphs[b].replay()
             hidden = self.hidden[b]

@@ -76,6 +76,7 @@ class ModelRunner:
             self.num_splits_for = num_splits_for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs; see capture_graphs
+        self.graph_rows: list[Sequence] | None = None  # the sequences whose rows the graphs' buffers hold, in order
         self.split_plan: SplitPlan | None = None  # the graphs' decode attention split counts, where timed
         self.lora_step: LoRAStep | None = getattr(model, "lora_step", None)  # which rows run which LoRA adapter
         self.phases = phases or PhaseTimer()  # where the step's prepare and forward seconds add up
@@ -186,9 +187,15 @@ class ModelRunner:
             rows.prompt_spans, rows.pooled_seqs, pool_indices
 
     @torch.inference_mode()
-    def execute_ahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> StepLogits:
+    def execute_ahead(self, seqs: list[Sequence], input_ids: torch.Tensor, follows: list[Sequence] | None = None,
+                      grown: list[tuple[int, int]] = ()) -> StepLogits:
         """A decode step one token past what each sequence holds (async scheduling): row i's token is input_ids[i],
-        on the device (the step before's sampled ids, not yet read by the host), at position len(seqs[i])."""
+        on the device (the step before's sampled ids, not yet read by the host), at position len(seqs[i]).
+        `follows`: the step before's sequences; where they are these, in this order, and the graphs' buffers hold
+        their rows, the buffers advance on the device. `grown`: (row, count) for each sequence that took `count`
+        new blocks for this step."""
+        if follows is not None and follows is self.graph_rows and len(seqs) == len(follows):
+            return self._advance_graph_rows(seqs, input_ids, grown)
         with self.phases("prepare"):
             positions = [len(seq) for seq in seqs]
             slots = [_slot(seq.block_table, p, self.block_size) for seq, p in zip(seqs, positions)]
@@ -202,6 +209,28 @@ class ModelRunner:
             return self._forward((input_ids, positions_on_device, meta, logits_indices), len(seqs), seqs,
                                  [1] * len(seqs), [])
 
+    def _advance_graph_rows(self, seqs: list[Sequence], input_ids: torch.Tensor,
+                            grown: list[tuple[int, int]]) -> StepLogits:
+        """The step ahead from the graphs' buffers, advanced on the device: no per-row host work but the block-table
+        entries taken since (about one sequence in block_size a step). The step before replayed a graph, so these
+        rows run no LoRA adapter."""
+        self.graph_rows = None  # until the buffers hold this step's rows
+        with self.phases("prepare"):
+            new_blocks = None
+            if grown:
+                rows, columns, blocks = array("q"), array("q"), array("q")
+                for row, count in grown:
+                    table = seqs[row].block_table
+                    rows.extend([row] * count)
+                    columns.extend(range(len(table) - count, len(table)))
+                    blocks.extend(table[len(table) - count:])
+                new_blocks = tuple(self._upload([rows, columns, blocks]))
+            self.graphs.advance(input_ids, new_blocks)
+        with self.phases("forward"):
+            logits = self.graphs.replay(len(seqs))
+        self.graph_rows = seqs
+        return StepLogits(seqs, logits, [1] * len(seqs), [])
+
     def _forward(self, model_inputs: tuple, num_sampled: int, sampling_seqs: list[Sequence], rows: list[int],
                  prompt_spans: list, pooled_seqs: list[Sequence] = (), pool_indices: torch.Tensor | None = None
                  ) -> StepLogits:
@@ -210,7 +239,9 @@ class ModelRunner:
         if pooled_seqs:
             logits, pooled = self.model.forward_pooled(*model_inputs, pool_indices)
         elif self._replays(meta, logits_indices):
+            self.graph_rows = None  # until the buffers hold this step's rows
             logits = self.graphs.run(input_ids, positions, meta)
+            self.graph_rows = sampling_seqs
         else:
             logits = self.model(*model_inputs)
         sampled, prompt = logits[:num_sampled], logits[num_sampled:]

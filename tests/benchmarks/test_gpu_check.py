@@ -31,6 +31,9 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         assert all(row["tokens"] == row["batch"] * 4 and row["tok_s"] > 0 for row in report["decode"][mode])
         assert all(row["steps_ahead"] == (4 if mode.endswith("async") else 0) for row in report["decode"][mode]), \
             "every timed step flies with async scheduling, top-p sampled ones too"
+        # each step ahead over the same rows advances the graphs' buffers on the device (sampled rows too)
+        assert all(row["steps_advanced"] == (4 if mode.startswith("graphs") and mode.endswith("async") else 0)
+                   for row in report["decode"][mode]), report["decode"][mode]
         assert all(0 <= row["gc_ms"] < 1e3 * row["tokens"] / row["tok_s"] for row in report["decode"][mode])  # in the window
         assert all(0 < row["front_end_ms"] < row["step_ms"] for row in report["decode"][mode])
     served = report["decode"]["graphs_async_process"]  # the core in its own process, stepping on its own

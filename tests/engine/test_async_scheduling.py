@@ -106,7 +106,7 @@ def test_arrivals_aborts_and_requests_that_do_not_fly_are_served_as_before(check
     assert llm.engine.counters["num_steps_ahead"] > ahead
     runner, launched = llm.engine.runner, set()
     execute_ahead = runner.execute_ahead
-    runner.execute_ahead = lambda seqs, ids: launched.update(s.request_id for s in seqs) or execute_ahead(seqs, ids)
+    runner.execute_ahead = lambda seqs, *args: launched.update(s.request_id for s in seqs) or execute_ahead(seqs, *args)
     assert run(llm, True, work) == run(llm, False, work)
     assert "r0" in launched and not launched & {"r5", "r6"}, f"a request that cannot fly flew: {launched}"
 
@@ -133,16 +133,47 @@ def test_a_pool_too_small_to_grow_ahead_lands_the_step_and_preempts_as_before(ch
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=cpu_triton_marks()), DEVICES[1]])
 def test_decode_steps_from_cuda_graph_buffers_fly_too(checkpoint, device):
-    """The Triton path, with decode steps through the graphs' buffers (captured on CUDA, run eagerly on CPU)."""
+    """The Triton path, with decode steps through the graphs' buffers (captured on CUDA, run eagerly on CPU). A step
+    ahead over the same sequences as the step before advances the buffers on the device: after every step ahead
+    they hold what the host would have built, new blocks included, and padding rows stay padding."""
     llm = engine(checkpoint, device, backend="triton")
     runner = llm.engine.runner
     graphs = runner.graphs if device == "cuda" else runner.capture_graphs(8, llm.engine.max_model_len, capture=False)
-    replays, replay = [], graphs.run
-    graphs.run = lambda ids, pos, meta: replays.append(meta.decode.size) or replay(ids, pos, meta)
-    work = [(p, greedy(n)) for p, n in zip(prompts(4), [6, 13, 2, 9])]
+    replays, replay = [], graphs.replay
+    graphs.replay = lambda n: replays.append(n) or replay(n)
+    launches, wrong, execute_ahead = [], [], runner.execute_ahead
+
+    def checked(seqs, input_ids, *args):
+        advanced = graphs.num_advanced
+        step = execute_ahead(seqs, input_ids, *args)
+        launches.append((graphs.num_advanced > advanced, bool(args[1])))
+        try:
+            _assert_buffers_hold(graphs, seqs, input_ids, llm.engine.block_manager.block_size)
+        except AssertionError as exc:  # raised here, the engine would land the step synchronously instead
+            wrong.append(exc)
+        return step
+
+    runner.execute_ahead = checked
+    work = [(p, greedy(n)) for p, n in zip(prompts(4), [6, 30, 2, 9])]  # r1 takes a block while it runs alone
     reference = run(llm, False, work)
+    graphs.block_tables[:, 1:].fill_(-7)  # no entry left by the run before may pass for one the step ahead needs
     assert run(llm, True, work) == reference
+    assert not wrong, wrong[0]
     assert len(replays) > 20
+    assert (True, True) in launches and (True, False) in launches and (False, False) in launches, launches
+
+
+def _assert_buffers_hold(graphs, seqs, input_ids, block_size: int) -> None:
+    """The graphs' buffers hold the step ahead of `seqs` as the host computes it."""
+    n, bucket = len(seqs), graphs.bucket(len(seqs))
+    positions = [len(seq) for seq in seqs]
+    assert graphs.input_ids[:n].tolist() == input_ids.tolist()
+    assert graphs.positions[:n].tolist() == positions
+    assert graphs.context_lens[:bucket].tolist() == [p + 1 for p in positions] + [1] * (bucket - n)
+    slots = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, positions)]
+    assert graphs.slot_mapping[:bucket].tolist() == slots + [-1] * (bucket - n)
+    for row, seq in enumerate(seqs):
+        assert graphs.block_tables[row, : len(seq.block_table)].tolist() == list(seq.block_table)
 
 
 @pytest.mark.gpu
