@@ -427,8 +427,10 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
                 results["engine_static_async"] = engine_generate(llm, device, sizes.batches[-1], sizes)
             from gpu_step_profile import profile_steps  # the sibling script (it imports this one)
 
+            # greedy without and with async scheduling, then sampled as chat clients ask (its step was 3x greedy's)
             results["step_profile"] = [profile_steps(llm, device, sizes.batches[-1], 8 if device == "cuda" else 2, out,
-                                                     ahead) for ahead in (False, True)]
+                                                     ahead, sampling) for ahead, sampling in
+                                       ((False, None), (True, None), (True, SAMPLED))]
             for row in results["step_profile"]:
                 log(f"profiled step: {row}")
             results["kv"] = {"blocks": engine.runner.num_blocks, "block_size": engine.config.block_size,

@@ -52,21 +52,24 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert report["graphs"]["gemm_plan"] is None is report["graphs"]["split_plan"]  # timed only on CUDA
     assert len(report["attention_kernels"]) == 13
     profiles = report["step_profile"]
-    assert [(p["batch"], p["async_scheduling"]) for p in profiles] == [(4, False), (4, True)]
+    assert [(p["batch"], p["async_scheduling"], p["sampled"]) for p in profiles] == \
+        [(4, False, False), (4, True, False), (4, True, True)]
     assert all(p["step_ms"] > 0 and p["phases_ms"]["forward"] > 0 for p in profiles)
-    assert (tmp_path / "profile-4-async.txt").read_text().startswith("batch 4, graphs + async scheduling:")
+    assert (tmp_path / "profile-4-async.txt").read_text().startswith("batch 4, graphs + async scheduling, greedy:")
+    assert (tmp_path / "profile-4-sampled-async.txt").read_text().startswith(
+        "batch 4, graphs + async scheduling, sampled {'temperature': 0.8, 'top_p': 0.95}:")
     assert set(report["goals"]) == {"engine_10x_hf_static", "decode_50pct_roofline", "graphs_1_5x_eager_batch_1"}
     assert "all checks passed" in (tmp_path / "gpu_check.log").read_text()
 
 
 def test_the_step_profile_runs_on_cpu(tmp_path):
-    """benchmarks/gpu_step_profile.py, which a GPU session runs after the check, with async scheduling on."""
+    """benchmarks/gpu_step_profile.py, which a GPU session runs after the check, with async scheduling on, sampled."""
     run = subprocess.run([sys.executable, "gpu_step_profile.py", "--device", "cpu", "--batch", "4", "--steps", "2",
-                          "--async-scheduling", "--out", str(tmp_path)], cwd=ROOT / "benchmarks", capture_output=True,
-                         text=True, timeout=300)
+                          "--async-scheduling", "--sampled", "--out", str(tmp_path)], cwd=ROOT / "benchmarks",
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = (tmp_path / "profile-4-async.txt").read_text()
-    assert report.startswith("batch 4, graphs + async scheduling:") and "top by host time" in report
+    report = (tmp_path / "profile-4-sampled-async.txt").read_text()
+    assert report.startswith("batch 4, graphs + async scheduling, sampled") and "top by host time" in report
 
 
 def test_the_tree_leaves_the_gpu_wheels_their_budget():
