@@ -10,7 +10,7 @@ import torch
 
 from engine.core_messages import CoreOutput, EngineRequest
 from engine.errors import EngineInputError
-from engine.sampler import make_generator
+from engine.sampler import UniformStream, make_generator
 from engine.sequence import Sequence
 
 
@@ -18,7 +18,7 @@ from engine.sequence import Sequence
 class RequestProgress:
     """What the core tracks per request beyond its KV bookkeeping (`Sequence.runtime`)."""
 
-    generator: torch.Generator | None
+    generator: UniformStream | None  # a sampled request's draws
     max_tokens: int
     grammar: Any = None  # an llguidance matcher, advanced by every token, for structured output
     pending_grammar: Any = None  # the matcher while its constraint waits for params.constrain_after

@@ -16,24 +16,39 @@ from engine.sampling_params import SamplingParams
 # at temperature 1.0, over 1,024 in 6% of rows and over 4,096 in under 1%
 NUCLEUS_CANDIDATES = (64, 1024, 4096)
 CDF_BLOCK = 1024
+DRAWS_AHEAD = 64  # uniform draws a request's stream takes from its generator at once
 PROMPT_LOGPROB_ROWS = 256  # prompt logprobs are worked in chunks of this many rows (each an fp32 [rows, vocab])
 INVALID_TOKEN = -1  # a row whose logits are not finite, or leave no token with weight: the engine fails that request
 NO_ALLOWED_TOKEN = -2  # a row whose own restrictions (allowed ids, bans, grammar) left it no token: its client's fault
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """Each sampled request owns its generator, so its draws never depend on the batch around it. It lives on the
-    host whatever the device: a draw is one number a token, and a CUDA generator would cost a device round trip
+class UniformStream:
+    """A sampled request's own uniform draws, one a token, taken from its generator DRAWS_AHEAD at a time: the CPU
+    generator fills a tensor serially, so these are the very values one `torch.rand(1)` a token gives (checked in
+    tests/unit/test_sampler.py), at a fraction of the cost (2.2 us a call: 0.57 ms a step of 256 sampled rows)."""
+
+    def __init__(self, seed: int | None):
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self._ahead: list[float] = []  # the next draws, last first
+
+    def next(self) -> float:
+        if not self._ahead:
+            self._ahead = torch.rand(DRAWS_AHEAD, generator=self.generator).tolist()[::-1]
+        return self._ahead.pop()
+
+
+def make_generator(params: SamplingParams) -> UniformStream | None:
+    """Each sampled request owns its random stream, so its draws never depend on the batch around it. It lives on
+    the host whatever the device: a draw is one number a token, and a CUDA generator would cost a device round trip
     per sampled row per step (the step's draws go to the device together). The same seed gives the same stream
     on every device."""
     if params.greedy:
         return None
-    generator = torch.Generator()
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
-    return generator
+    return UniformStream(params.seed)
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -89,7 +104,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        generators: list[UniformStream | None],
         output_token_ids: list[list[int]] | None,
         prompt_token_ids: list[list[int]] | None = None,
         banned_token_ids: list[Collection[int]] | None = None,
@@ -188,7 +203,7 @@ class Sampler:
         return logits
 
     def tokens_on_device(self, logits: torch.Tensor, params: list[SamplingParams],
-                         generators: list[torch.Generator | None]) -> torch.Tensor:
+                         generators: list[UniformStream | None]) -> torch.Tensor:
         """The tokens of rows that need no host work before or after the draw (no logprobs, bias, bans, grammar,
         penalties), left on the device: INVALID_TOKEN where a row has no valid distribution. Never waits for a CUDA
         device (async scheduling). The same tokens as `__call__` gives them."""
@@ -204,7 +219,7 @@ class Sampler:
             return self.cpu_greedy(logits, INVALID_TOKEN)
         return greedy_or_invalid(logits)
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[UniformStream | None],
                 finite: torch.Tensor, draft_token_ids: list[int | None] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once: temperature, then the top-k / top-p / min-p masks, then the inverse CDF at one uniform
@@ -239,7 +254,7 @@ class Sampler:
             weights[rows] = self._nucleus(selected.div_(selected.sum(-1, keepdim=True)), top_p)
         if any(p.min_p > 0.0 for p in params):
             weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
-        draws = column([1.0 - float(torch.rand(1, generator=g)) if g is not None else 1.0 for g in generators])
+        draws = column([1.0 - g.next() if g is not None else 1.0 for g in generators])
         verified = [i for i, d in enumerate(draft_token_ids or ()) if d is not None and not params[i].greedy]
         accepted = Sampler._verify_drafts(weights, draws, verified, [draft_token_ids[i] for i in verified]) if verified else None
         tokens, has_mass = inverse_cdf(weights, draws)

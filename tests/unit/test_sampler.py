@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.sampler import (INVALID_TOKEN, NO_ALLOWED_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler, inverse_cdf,
-                            make_generator, nucleus_threshold_by_candidates)
+from engine.sampler import (DRAWS_AHEAD, INVALID_TOKEN, NO_ALLOWED_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler,
+                            inverse_cdf, make_generator, nucleus_threshold_by_candidates)
 from engine.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -67,6 +67,15 @@ def test_temperature_spreads_the_distribution():
     hot = draws(SamplingParams(temperature=5.0, seed=3), n=500)
     assert len(set(hot)) >= 6
     assert hot.count(0) > hot.count(7)
+
+
+def test_a_requests_stream_gives_the_draws_one_generator_call_a_token_gives():
+    """Drawn DRAWS_AHEAD at a time, the values are those of one torch.rand(1) a token, across chunk boundaries."""
+    stream, generator = make_generator(SamplingParams(temperature=1.0, seed=7)), torch.Generator().manual_seed(7)
+    count = 3 * DRAWS_AHEAD + 5
+    assert [stream.next() for _ in range(count)] == [float(torch.rand(1, generator=generator)) for _ in range(count)]
+    first, second = (make_generator(SamplingParams(temperature=1.0)) for _ in range(2))  # unseeded: their own seeds
+    assert first.next() != second.next()
 
 
 def test_a_seed_fixes_the_draws_whatever_the_batch_around_it():
