@@ -77,7 +77,8 @@ def profile_steps(llm, device: str, batch: int, steps: int, out: Path, ahead: bo
              "top by device time:", events.table(sort_by="self_device_time_total", row_limit=15),
              "top by host time:", events.table(sort_by="self_cpu_time_total", row_limit=25)]
     (out / name).write_text("\n".join(lines))
-    return {"batch": batch, "async_scheduling": ahead, "sampled": bool(sampling), "step_ms": round(1e3 * wall / steps, 3),
+    return {"batch": batch, "async_scheduling": ahead, "sampled": bool(sampling),
+            "step_ms": round(1e3 * wall / steps, 3),
             "gpu_busy_ms": gpu_ms and round(gpu_ms, 3), "phases_ms": phases, "file": name}
 
 
