@@ -404,7 +404,8 @@ def measure(device: str, sizes: Sizes, info: dict, log: Log, out: Path, results:
                 results["decode"][rows] = [decode_rate(llm, device, batch, sizes) for batch in sizes.batches]
             for row in results["decode"][rows]:
                 log(f"decode {rows} batch {row['batch']}: {row['step_ms']} ms a step, {row['tok_s']} tok/s, "
-                    f"{row['front_end_ms']} ms of it the front end's")
+                    f"{row['front_end_ms']} ms of it the front end's; {row['steps_ahead']} steps ahead, "
+                    f"{row['steps_advanced']} of them advanced on the device")
                 # after the warm steps, with async scheduling one step is in flight when the clock starts and one
                 # when it stops: as many land as are timed
                 if row["tokens"] != row["batch"] * sizes.decode_steps:
