@@ -23,9 +23,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from engine.host_memory import with_huge_page_heap  # noqa: E402
-from engine.models import embedded_checkpoint  # noqa: E402
-from engine.models.loader import resolve_dtype  # noqa: E402
+from engine.models import cache_root, embedded_checkpoint, load_hf_config, resolve_dtype  # noqa: E402
 from loadtest.loopback import wait_healthy  # noqa: E402
+from serve_app.config import shipped_app_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -35,8 +35,16 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def vllm_dtype(dtype: str = "auto") -> str:
-    """vLLM's --dtype: `auto` resolved as the engine resolves it (bf16 only where the CPU computes it natively)."""
-    return str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
+    """vLLM's --dtype: `dtype` resolved as `make serve`'s engine resolves it (serve_app/config.yaml's model,
+    quantization and threads; engine/models/dtype_choice.py), so both serve in one dtype."""
+    config = shipped_app_args().engine_config.model_copy(update={"dtype": dtype})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.resolved_num_threads())  # the timing kept per CPU is kept per thread count
+    try:
+        chosen = resolve_dtype(config, torch.device("cpu"), load_hf_config(config), cache_root())
+    finally:
+        torch.set_num_threads(threads)
+    return str(chosen).removeprefix("torch.")
 
 
 def servers(peers_python: Path, dtype: str) -> dict[str, dict]:
@@ -84,7 +92,7 @@ def sweep(label: str, url: str, rates: str, duration: int, warmup: int, slo: flo
 def main(rates: str = "1,2,3,4,6,8,10,12", duration: int = 90, warmup: int = 20, slo: float = 30.0,
          peers_python: Path = Path(".venv-peers/bin/python"), only: str = typer.Option("", help="comma list of labels"),
          out_dir: Path = Path("loadtest/reports/sweep"),
-         dtype: str = typer.Option("auto", help="vLLM's dtype; auto resolves as the engine's does (bf16 only where the CPU has it)")):
+         dtype: str = typer.Option("auto", help="vLLM's dtype; auto resolves as the served engine's does")):
     dtype = vllm_dtype(dtype)
     console.print(f"vLLM CPU runs in {dtype}: serve_app/config.yaml's dtype must resolve to the same")
     results = {}

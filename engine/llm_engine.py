@@ -26,7 +26,7 @@ from engine.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from engine.metrics import StepMetrics
 from engine.pooler import embeddings
 from engine.model_runner import ModelRunner, StepLogits, kv_geometry
-from engine.models import (embedding_sizes, load_hf_config, load_model, load_tokenizer, model_max_len,
+from engine.models import (cache_root, embedding_sizes, load_hf_config, load_model, load_tokenizer, model_max_len,
                            score_shaping, resolve_device, resolve_dtype)
 from engine.lora_manager import LoRAManager
 from engine.request_inbox import RequestInbox
@@ -55,11 +55,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = load_hf_config(config)
+        self.dtype = resolve_dtype(config, self.device, hf_config, cache_root())
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         # refused before the weights load
-        self.attention_backend = choose_attention_backend(config, self.device.type, capability,
-                                                          score_shaping(load_hf_config(config)))
+        self.attention_backend = choose_attention_backend(config, self.device.type, capability, score_shaping(hf_config))
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model = load_model(config, self.device, self.dtype)
         self.loras = LoRAManager(self.model, config) if config.serves_lora else None  # before the runner reads them

@@ -15,9 +15,10 @@ from engine.layers.rotary import STATIC_ROPE_TYPES, rope_type
 from engine.models.attention_support import score_shaping, unimplemented_attention
 from engine.models.llama import LlamaForCausalLM
 from engine.models.gguf import read_tensors as gguf_tensors
-from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, cpu_has_bf16, embedded_checkpoint,
+from engine.models.loader import (cache_root, checkpoint_dir, checkpoint_tensors, embedded_checkpoint,
                                   embedded_gguf_path, embedding_sizes, gguf_path, is_gguf_file, load_hf_config, load_tokenizer,
-                                  model_max_len, quantization_config, resolve_device, resolve_dtype, resolve_model_path)
+                                  model_max_len, quantization_config, resolve_device, resolve_model_path)
+from engine.models.dtype_choice import cpu_has_bf16, resolve_dtype
 
 log = logging.getLogger(__name__)
 

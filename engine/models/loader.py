@@ -28,18 +28,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_bf16() -> bool:
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()):
-        return torch.bfloat16
-    return torch.float32
-
-
 def cache_root() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-serve-engine"
     return Path(os.environ.get("ENGINE_CACHE_DIR", default))
