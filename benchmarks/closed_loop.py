@@ -30,8 +30,10 @@ def served_engine_config(**overrides) -> EngineConfig:
 class ClosedLoop:
     """`users` seeded requests of the load-test mix in flight; each one that finishes is replaced by the next."""
 
-    def __init__(self, threads: int | None = None, users: int = 48, temperature: float = 1.0, max_tokens: int = 128):
-        self.llm = LLM(config=served_engine_config(**({"num_threads": threads} if threads else {})))
+    def __init__(self, threads: int | None = None, users: int = 48, temperature: float = 1.0, max_tokens: int = 128,
+                 dtype: str | None = None):
+        overrides = ({"num_threads": threads} if threads else {}) | ({"dtype": dtype} if dtype else {})
+        self.llm = LLM(config=served_engine_config(**overrides))
         self.engine = self.llm.engine
         self.temperature, self.max_tokens = temperature, max_tokens
         self._prompts, self._rng, self._ids = load_prompts(), random.Random(0), itertools.count()
@@ -54,10 +56,11 @@ class ClosedLoop:
 @cli.command()
 def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/config.yaml sets them"),
          concurrency: int = 48, seconds: float = 40, temperature: float = 1.0, max_tokens: int = 128,
+         dtype: str = typer.Option("", help="the engine's dtype; empty: as serve_app/config.yaml sets it"),
          warmup: float = typer.Option(0, help="seconds left out of the rates, as `make loadtest --warmup` does")):
     if warmup >= seconds:
         raise typer.BadParameter(f"--warmup {warmup:g} leaves nothing of --seconds {seconds:g} to measure")
-    loop = ClosedLoop(threads, concurrency, temperature, max_tokens)
+    loop = ClosedLoop(threads, concurrency, temperature, max_tokens, dtype or None)
     engine = loop.engine
     start, steps, done = time.perf_counter(), 0, 0
     at_warmup = None  # (time, steps, done, generated tokens) when the measured window opens
@@ -71,7 +74,7 @@ def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/con
                 bar.update(int(elapsed) - bar.n)
     stats = engine.stats()
     window = elapsed - at_warmup[0]
-    print(f"threads {engine.config.resolved_num_threads()}, temperature {temperature}, "
+    print(f"threads {engine.config.resolved_num_threads()}, {str(engine.dtype).removeprefix('torch.')}, temperature {temperature}, "
           f"{window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
           f"{(stats.generation_tokens - at_warmup[3]) / window:.0f} generated tok/s, "
           f"{(steps - at_warmup[1]) / window:.2f} steps/s, {(done - at_warmup[2]) / window * 3600:,.0f} req/h, "
