@@ -1,5 +1,6 @@
-"""What the attention kernels compile to, on any machine: each is built for a GPU target (sm_90 by default) as
-triton's JIT would specialize it at Qwen2.5-1.5B's attention shape (bf16, 12/2 heads of 128, blocks of 16), and its
+"""What the attention kernels (and the sampler's top-p) compile to, on any machine: each is built for a GPU target
+(sm_90 by default) as triton's JIT would specialize it at Qwen2.5-1.5B's shapes (bf16, 12/2 heads of 128, blocks of
+16; a vocabulary of 151,936), and its
 machine code (SASS, from the nvdisasm triton ships) is read for registers, spills, how global memory is loaded, and
 each loop's instructions per iteration with its tensor-core ops among them. No GPU times anything here: this is
 where a kernel's issue cost and register pressure show between GPU runs, and how a change to one is judged before
@@ -28,17 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)  # compiling needs triton's own language, before triton is imported
 
 cli = typer.Typer(add_completion=False)
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, VOCAB = 12, 2, 128, 16, 151_936
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)")
 BACK_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 TENSOR_OPS = ("HGMMA", "HMMA")
 
 
 def launches(prompt: int, batch: int, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> dict:
-    """The engine's launches of the kernels that read the paged pool, at an attention shape (Qwen2.5-1.5B's)."""
+    """The engine's launches of the kernels that read the paged pool, at an attention shape (Qwen2.5-1.5B's), and
+    of the top-p threshold over `batch` rows of its vocabulary."""
     import torch
 
     from engine.kernels.triton.decode import decode_launches
+    from engine.kernels.triton.nucleus import nucleus_threshold_launch
     from engine.kernels.triton.prefill import prefill_launch
 
     blocks = -(-prompt // BLOCK_SIZE)
@@ -49,7 +52,8 @@ def launches(prompt: int, batch: int, heads: int = HEADS, kv_heads: int = KV_HEA
     decode = query[:batch]
     lens = torch.full((batch,), prompt)
     return {"prefill": prefill_launch(query, cache, cache, tables[:1], *one_prompt, prompt, head_dim**-0.5, query),
-            "decode": decode_launches(decode, cache, cache, tables, lens, head_dim**-0.5, 1, decode)[0]}
+            "decode": decode_launches(decode, cache, cache, tables, lens, head_dim**-0.5, 1, decode)[0],
+            "nucleus": nucleus_threshold_launch(torch.zeros(batch, VOCAB), torch.zeros(batch), torch.zeros(batch))}
 
 
 def disassemble(cubin: bytes, tool: str) -> str:
@@ -64,7 +68,8 @@ def disassemble(cubin: bytes, tool: str) -> str:
 
 
 def loops(sass: str) -> list[dict]:
-    """Each loop (a label a later branch jumps back to): its instructions per iteration, tensor-core ops among them."""
+    """Each loop (a label a later branch jumps back to): its instructions per iteration, tensor-core ops, warp
+    shuffles and barriers among them."""
     lines = sass.splitlines()
     labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line.strip())}
     found = []
@@ -76,6 +81,7 @@ def loops(sass: str) -> list[dict]:
         ops = [m.group(1) for m in map(INSTRUCTION.match, lines[start:end + 1]) if m]
         if len(ops) > 1:  # not the trap loop at a kernel's end
             found.append({"instructions": len(ops), "tensor_ops": sum(op in TENSOR_OPS for op in ops),
+                          "shuffles": ops.count("SHFL"), "barriers": ops.count("BAR"),
                           "top": dict(Counter(ops).most_common(6))})
     return found
 
@@ -103,8 +109,8 @@ def main(target: str = typer.Option("sm_90", help="sm_80, sm_89 or sm_90"),
          out: Path | None = typer.Option(None, help="a JSON file for the profiles")):
     kernels = launches(prompt, batch, heads, kv_heads, head_dim)
     profiles = {name: profile(launch, target) for name, launch in kernels.items()}
-    table = Table(title=f"attention kernels compiled for {target} as triton's JIT specializes them: "
-                        f"{heads}/{kv_heads} heads of {head_dim}, bf16, blocks of {BLOCK_SIZE}")
+    table = Table(title=f"kernels compiled for {target} as triton's JIT specializes them: "
+                        f"{heads}/{kv_heads} heads of {head_dim}, bf16, blocks of {BLOCK_SIZE}; top-p over {VOCAB:,}")
     for column in ("kernel", "tiling", "registers", "spills", "instructions", "global loads",
                    "loops: instructions (tensor ops)"):
         table.add_column(column)

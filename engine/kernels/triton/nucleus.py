@@ -7,7 +7,10 @@ A token is kept when the mass of the tokens above it is at most top_p (the sampl
 {p >= t} for t the largest value with mass(p >= t) > top_p. Probabilities are non-negative floats, whose bit
 patterns order as integers: one program a row searches the integers between 0 and its max's bits, trying PROBES
 thresholds in each pass over the row, so about 9 passes find it where bisection takes 31 (an estimate of ~0.5 ms at
-batch 256 over a 152k vocabulary, from the bytes; not measured).
+batch 256 over a 152k vocabulary, from the bytes; not measured). A pass keeps each probe's mass per lane and sums
+the lanes once at its end: summed at every load, the sm_90 loop was 639 instructions a load (112 warp shuffles, 10
+barriers), 211 without (`python benchmarks/kernel_sass.py`), where the H200's sampled batch-256 step took 7-10 ms
+against greedy's 3.27 (BENCHMARKS.md, 2026-12-04).
 A value tied with the threshold is always kept, on CPU too.
 """
 from __future__ import annotations
@@ -41,12 +44,14 @@ def _nucleus_threshold_kernel(probs, top_p, threshold, vocab, stride, BLOCK: tl.
     while hi - lo > 1:
         # PROBES thresholds spread over (lo, hi); the padding probes repeat lo, whose mass is known to exceed top_p
         cuts = tl.where(probe < PROBES, lo + (hi - lo) * (probe + 1) // (PROBES + 1), lo).to(tl.int32)
-        mass = tl.zeros([PROBES_PAD], dtype=tl.float32)
+        # each probe's mass per lane, summed across the lanes once a pass (see above)
+        lane_mass = tl.zeros([PROBES_PAD, BLOCK], dtype=tl.float32)
         for first in range(0, vocab, BLOCK):
             columns = first + lanes
             x = tl.load(start + columns, mask=columns < vocab, other=0.0)
             above = x.to(tl.int32, bitcast=True)[None, :] >= cuts[:, None]
-            mass += tl.sum(tl.where(above, x[None, :], 0.0), 1)
+            lane_mass += tl.where(above, x[None, :], 0.0)
+        mass = tl.sum(lane_mass, 1)
         heavy = (mass > p) & (probe < PROBES)  # thresholds still leaving more than top_p above them
         new_lo = tl.max(tl.where(heavy, cuts, lo.to(tl.int32)), 0).to(tl.int64)
         hi = tl.min(tl.where((probe < PROBES) & ~heavy & (cuts.to(tl.int64) > new_lo), cuts, hi.to(tl.int32)), 0).to(tl.int64)
