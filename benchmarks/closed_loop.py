@@ -74,7 +74,8 @@ def main(threads: int = typer.Option(0, help="torch threads; 0: as serve_app/con
                 bar.update(int(elapsed) - bar.n)
     stats = engine.stats()
     window = elapsed - at_warmup[0]
-    print(f"threads {engine.config.resolved_num_threads()}, {str(engine.dtype).removeprefix('torch.')}, temperature {temperature}, "
+    dtype_name = str(engine.dtype).removeprefix("torch.")
+    print(f"threads {engine.config.resolved_num_threads()}, {dtype_name}, temperature {temperature}, "
           f"{window:.0f} s after {at_warmup[0]:.0f} s of warm-up: "
           f"{(stats.generation_tokens - at_warmup[3]) / window:.0f} generated tok/s, "
           f"{(steps - at_warmup[1]) / window:.2f} steps/s, {(done - at_warmup[2]) / window * 3600:,.0f} req/h, "

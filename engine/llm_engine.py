@@ -59,7 +59,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config, self.device, hf_config, cache_root())
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         # refused before the weights load
-        self.attention_backend = choose_attention_backend(config, self.device.type, capability, score_shaping(hf_config))
+        self.attention_backend = choose_attention_backend(config, self.device.type, capability,
+                                                          score_shaping(hf_config))
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model = load_model(config, self.device, self.dtype)
         self.loras = LoRAManager(self.model, config) if config.serves_lora else None  # before the runner reads them

@@ -20,7 +20,8 @@ from engine.models.cache_files import write_whole
 log = logging.getLogger(__name__)
 
 
-def kept_measurement(cache: Path | None, folder: str, depends_on: list, measure: Callable[[], dict[str, Any]]) -> tuple[dict, bool]:
+def kept_measurement(cache: Path | None, folder: str, depends_on: list,
+                     measure: Callable[[], dict[str, Any]]) -> tuple[dict, bool]:
     """`measure()`'s record, read from `cache/folder` where this CPU timed it before (None: always timed), and
     whether it was read back rather than timed now."""
     if cache is None:

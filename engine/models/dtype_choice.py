@@ -77,7 +77,8 @@ def layer_shapes(hf_config) -> list[tuple[int, int]]:
 
 
 def dense_parameters(hf_config, shapes: list[tuple[int, int]]) -> int:
-    embeddings = hf_config.vocab_size * hf_config.hidden_size * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    embeddings = hf_config.vocab_size * hf_config.hidden_size * (1 if tied else 2)
     return embeddings + hf_config.num_hidden_layers * sum(i * o for i, o in shapes)
 
 
@@ -88,7 +89,8 @@ def physical_memory() -> int:
 def time_both(shapes: list[tuple[int, int]], rows: int, rounds: int) -> dict[str, float]:
     """Median seconds of one pass over `shapes`' linears, packed as the engine packs them, at `rows` rows, in bf16
     and in fp32; the two dtypes alternate, so a drift in the machine's speed falls on both."""
-    sweeps = {name: _sweep(shapes, rows, dtype) for name, dtype in (("bf16_s", torch.bfloat16), ("fp32_s", torch.float32))}
+    dtypes = (("bf16_s", torch.bfloat16), ("fp32_s", torch.float32))
+    sweeps = {name: _sweep(shapes, rows, dtype) for name, dtype in dtypes}
     times: dict[str, list[float]] = {name: [] for name in sweeps}
     with torch.inference_mode():
         for sweep in sweeps.values():

@@ -19,7 +19,8 @@ def smollm_config():
 def timings(monkeypatch, bf16_s: float, fp32_s: float) -> list:
     calls = []
     monkeypatch.setattr(dtype_choice, "cpu_has_bf16", lambda: True)
-    monkeypatch.setattr(dtype_choice, "time_both", lambda *args: calls.append(args) or {"bf16_s": bf16_s, "fp32_s": fp32_s})
+    timed = {"bf16_s": bf16_s, "fp32_s": fp32_s}
+    monkeypatch.setattr(dtype_choice, "time_both", lambda *args: calls.append(args) or timed)
     return calls
 
 
@@ -40,7 +41,8 @@ def test_auto_on_a_cpu_without_bf16_is_fp32_and_a_dense_model_keeps_bf16_untimed
     assert calls == []
 
 
-def test_a_gguf_model_takes_fp32_only_where_bf16_is_clearly_slower_and_the_timing_is_kept(smollm_config, tmp_path, monkeypatch):
+def test_a_gguf_model_takes_fp32_only_where_bf16_is_clearly_slower_and_the_timing_is_kept(smollm_config, tmp_path,
+                                                                                          monkeypatch):
     gguf = EngineConfig(quantization="gguf")
     calls = timings(monkeypatch, SLOWER_BY * 1.01, 1.0)
     assert resolve_dtype(gguf, CPU, smollm_config, tmp_path) == torch.float32
