@@ -1,7 +1,8 @@
 """Figures timed once per CPU and set-up, then kept in the engine's cache and read back at every later start (the GGUF
 crossover, the CPU dtype `auto` picks). A figure's key is everything it depends on (the CPU's model and flags,
 torch's version and threads, plus what the caller names), so a change to any of them times it again; deleting the
-folder does too, and a file that does not read is timed again and rewritten whole."""
+folder does too, and a file that does not read, or lacks a number the caller needs, is timed again and rewritten
+whole."""
 from __future__ import annotations
 
 import hashlib
@@ -20,15 +21,17 @@ from engine.models.cache_files import write_whole
 log = logging.getLogger(__name__)
 
 
-def kept_measurement(cache: Path | None, folder: str, depends_on: list,
-                     measure: Callable[[], dict[str, Any]]) -> tuple[dict, bool]:
+def kept_measurement(cache: Path | None, folder: str, depends_on: list, measure: Callable[[], dict[str, Any]],
+                     numbers: tuple[str, ...]) -> tuple[dict, bool]:
     """`measure()`'s record, read from `cache/folder` where this CPU timed it before (None: always timed), and
-    whether it was read back rather than timed now."""
+    whether it was read back rather than timed now. `numbers`: the fields a kept record must hold as numbers."""
     if cache is None:
         return measure(), False
     path = cache / folder / f"{_key(depends_on)}.json"
     try:
-        return json.loads(path.read_text()), True
+        kept = json.loads(path.read_text())
+        if isinstance(kept, dict) and all(isinstance(kept.get(name), (int, float)) for name in numbers):
+            return kept, True
     except (OSError, ValueError):
         pass
     record = measure() | {"measured": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),

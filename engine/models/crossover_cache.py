@@ -23,12 +23,9 @@ def kept_crossover_rows(linears: list, dtype: torch.dtype, cache: Path | None) -
     """`crossover_rows(linears, dtype)`, read from `cache` where this CPU measured it before (None: always timed)."""
     depends_on = [str(dtype), CALIBRATION_ROWS, [(m.blocks.kind, m.in_features, m.out_features) for m in linears],
                   [hashlib.blake2b((SOURCES / name).read_bytes(), digest_size=8).hexdigest() for name in KERNELS]]
-    record, read_back = kept_measurement(cache, "gguf-crossover", depends_on,
-                                         lambda: {"rows": crossover_rows(linears, dtype), "dtype": str(dtype)})
-    try:
-        rows = int(record["rows"])
-    except (KeyError, TypeError, ValueError):  # a file that reads but is not ours: time it again, uncached
-        return crossover_rows(linears, dtype)
+    measure = lambda: {"rows": crossover_rows(linears, dtype), "dtype": str(dtype)}  # noqa: E731
+    record, read_back = kept_measurement(cache, "gguf-crossover", depends_on, measure, ("rows",))
+    rows = int(record["rows"])
     how = f"measured on this CPU at {record.get('measured')}" if read_back else "measured now"
     log.info("GGUF blocks up to %d rows (%s)", rows, how)
     return rows

@@ -56,11 +56,8 @@ def gguf_cpu_dtype(hf_config, cache: Path | None) -> torch.dtype:
     if fp32_bytes > FP32_MEMORY_SHARE * physical_memory():
         return torch.bfloat16
     record, read_back = kept_measurement(cache, "cpu-dtype", ["gguf dense copies", PROBE_ROWS, PROBE_ROUNDS, shapes],
-                                         lambda: time_both(shapes, PROBE_ROWS, PROBE_ROUNDS))
-    try:
-        bf16_s, fp32_s = float(record["bf16_s"]), float(record["fp32_s"])
-    except (KeyError, TypeError, ValueError):  # a file that reads but is not ours: time it, uncached
-        bf16_s, fp32_s = (time_both(shapes, PROBE_ROWS, PROBE_ROUNDS)[k] for k in ("bf16_s", "fp32_s"))
+                                         lambda: time_both(shapes, PROBE_ROWS, PROBE_ROUNDS), ("bf16_s", "fp32_s"))
+    bf16_s, fp32_s = record["bf16_s"], record["fp32_s"]
     chosen = torch.float32 if bf16_s >= SLOWER_BY * fp32_s else torch.bfloat16
     log.info("dtype auto: %s (a layer's dense linears at %d rows: bf16 %.2f ms, fp32 %.2f ms; %s)",
              str(chosen).removeprefix("torch."), PROBE_ROWS, 1e3 * bf16_s, 1e3 * fp32_s,

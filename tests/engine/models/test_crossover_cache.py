@@ -46,7 +46,11 @@ def test_a_kept_file_that_does_not_read_is_timed_again_and_without_a_cache_every
     assert len(calls) == 2
     assert crossover_cache.kept_crossover_rows(fake_linears(), torch.float32, tmp_path) == 12
     assert len(calls) == 2  # the second timing rewrote it whole
+    kept.write_text('{"rows": "twelve"}')  # reads, but holds no number: timed again and rewritten
+    assert crossover_cache.kept_crossover_rows(fake_linears(), torch.float32, tmp_path) == 12
+    assert crossover_cache.kept_crossover_rows(fake_linears(), torch.float32, tmp_path) == 12
+    assert len(calls) == 3
     crossover_cache.kept_crossover_rows(fake_linears(), torch.float32, None)
     crossover_cache.kept_crossover_rows(fake_linears(), torch.float32, None)
-    assert len(calls) == 4
+    assert len(calls) == 5
     assert not list((tmp_path / "gguf-crossover").glob(".keep-*"))  # no staging file left behind

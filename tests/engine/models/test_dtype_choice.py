@@ -57,6 +57,9 @@ def test_a_gguf_model_takes_fp32_only_where_bf16_is_clearly_slower_and_the_timin
     kept.write_text('{"bf16_s": ')  # a torn write from elsewhere: timed again
     calls = timings(monkeypatch, 2.0, 1.0)
     assert resolve_dtype(gguf, CPU, smollm_config, tmp_path) == torch.float32 and len(calls) == 1
+    kept.write_text('{"bf16_s": "slow", "fp32_s": 1.0}')  # reads, but not as numbers: timed once, rewritten
+    assert resolve_dtype(gguf, CPU, smollm_config, tmp_path) == torch.float32
+    assert resolve_dtype(gguf, CPU, smollm_config, tmp_path) == torch.float32 and len(calls) == 2
 
 
 def test_fp32_is_never_chosen_where_its_weights_would_take_over_a_quarter_of_memory(smollm_config, monkeypatch):
@@ -78,7 +81,8 @@ def test_the_timing_runs_the_engines_packed_linears_in_both_dtypes():
 
 def test_an_engine_computes_in_the_dtype_auto_picked(monkeypatch):
     timings(monkeypatch, 2.0, 1.0)
-    monkeypatch.setattr(dtype_choice, "kept_measurement", lambda cache, folder, depends_on, measure: (measure(), False))
+    uncached = lambda cache, folder, depends_on, measure, numbers: (measure(), False)  # noqa: E731
+    monkeypatch.setattr(dtype_choice, "kept_measurement", uncached)
     llm = LLM(quantization="gguf", num_kv_blocks=16)
     engine = llm.engine
     assert engine.dtype == torch.float32
