@@ -5,10 +5,12 @@ parameters, errors, tool-call parsing) never imports torch."""
 from importlib import import_module
 
 _HOMES = {
-    "AsyncLLMEngine": "engine.async_engine", "BeamSearchParams": "engine.beam_search", "DEFAULT_MODEL": "engine.config", "EngineConfig": "engine.config",
-    "EngineDeadError": "engine.errors", "EngineInputError": "engine.errors", "EngineOverloadedError": "engine.errors",
-    "LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "RequestOutput": "engine.output_processor",
-    "PoolingParams": "engine.pooling_params", "SamplingParams": "engine.sampling_params", "StructuredOutput": "engine.sampling_params",
+    "AsyncLLMEngine": "engine.async_engine", "BeamSearchParams": "engine.beam_search", "DEFAULT_MODEL": "engine.config",
+    "EngineConfig": "engine.config", "EngineDeadError": "engine.errors", "EngineInputError": "engine.errors",
+    "EngineOverloadedError": "engine.errors", "LLM": "engine.llm", "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.output_processor", "PoolingParams": "engine.pooling_params",
+    "RepetitionDetection": "engine.repetition", "SamplingParams": "engine.sampling_params",
+    "StructuredOutput": "engine.sampling_params",
 }
 __all__ = sorted(_HOMES)
 

@@ -162,7 +162,7 @@ class OutputProcessor:
                 logprobs.append(out.new_logprobs[i])
             if self._add_text(request, add_token(token)):
                 return "stop", None  # the core's later tokens, accepted drafts included, are not the reader's
-        if out.finish_reason == "length" or (out.finish_reason == "stop" and not (
+        if out.finish_reason in ("length", "repetition") or (out.finish_reason == "stop" and not (
                 token_ids and token_ids[-1] in self.eos_token_ids)):
             self._add_text(request, request.detokenizer.flush())  # an EOS ends the text as it is
         return out.finish_reason, out.error

@@ -10,6 +10,7 @@ import torch
 
 from engine.core_messages import CoreOutput, EngineRequest
 from engine.errors import EngineInputError
+from engine.repetition import RepetitionRuns
 from engine.sampler import UniformStream, make_generator
 from engine.sequence import Sequence
 
@@ -33,6 +34,7 @@ class RequestProgress:
     # params.draws_from_logits_alone, once: async scheduling asks it of every row every step (0.2 ms at batch 256)
     draws_from_logits_alone: bool = False
     greedy: bool = False  # params.greedy, once: a step of rows that fly (async scheduling), all greedy, is an argmax
+    repetition: RepetitionRuns | None = None  # params.repetition_detection's runs at the output's end
 
 
 def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
@@ -49,6 +51,7 @@ def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
         prompt_ranks=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
         draws_from_logits_alone=params.draws_from_logits_alone,
         greedy=params.greedy,
+        repetition=RepetitionRuns(params.repetition_detection) if params.repetition_detection else None,
     )
 
 
@@ -68,9 +71,11 @@ class StopChecker:
             raise _grammar_failure(seq, progress.grammar.get_error())
         if progress.pending_grammar is not None:
             _start_grammar_after(seq, progress)
-        return self._stop_reason(seq, token)
+        repeated = progress.repetition is not None and progress.repetition.append(seq.token_ids, seq.num_prompt_tokens)
+        return self._stop_reason(seq, token, repeated)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, repeated: bool) -> str | None:
+        """vLLM's order: a stop token, then the length, then (from min_tokens on) a repeated pattern."""
         params, progress, produced = seq.params, seq.runtime, seq.num_output_tokens
         if produced >= params.min_tokens and (
                 (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
@@ -79,6 +84,8 @@ class StopChecker:
             return "stop"  # the structure is complete: only EOS could follow
         if produced >= progress.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
+        if repeated and produced >= params.min_tokens:
+            return "repetition"
         return None
 
 

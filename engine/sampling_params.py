@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineInputError
+from engine.repetition import RepetitionDetection
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stream holds back this much text to catch a stop string split across deltas
@@ -72,6 +73,8 @@ class SamplingParams:
     # the structured output applies once the output holds these tokens (a reasoning model's end of thinking, as
     # vLLM's reasoning parsers let the model think freely first); None: from the first token
     constrain_after: tuple[int, ...] | None = None
+    # end the output, finish reason "repetition", once it ends in a pattern repeated so (vLLM's repetition_detection)
+    repetition_detection: RepetitionDetection | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +138,8 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             bad("structured_output must be a StructuredOutput", "response_format")
+        if self.repetition_detection is not None and not isinstance(self.repetition_detection, RepetitionDetection):
+            bad("repetition_detection must be a RepetitionDetection", "repetition_detection")
         self._validate_logit_bias(bad)
         self._validate_stops(bad)
         self._validate_vocabulary_limits(bad)

@@ -64,7 +64,7 @@ def sampling_params(body: SamplingFields, tools: list[dict] | None, tool_format:
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
         prompt_logprobs=body.num_logprobs if body.scores_prompt_by_echo else body.prompt_logprobs,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
-        structured_output=structured_output(body, tools, tool_format))
+        structured_output=structured_output(body, tools, tool_format), repetition_detection=body.repetition_rule())
 
 
 def structured_output(body: SamplingFields, tools: list[dict] | None, tool_format: str) -> StructuredOutput | None:

@@ -12,6 +12,7 @@ from serve_app.security import REQUEST_ID
 
 from engine.chat import ChatOptions
 from engine.errors import EngineInputError
+from engine.repetition import MAX_COUNT, MAX_PATTERN_SIZE, RepetitionDetection
 from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
                                     MIN_REPETITION_PENALTY, StructuredOutput, count_objects)
 
@@ -175,9 +176,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "logits_processors": ((None, []), "custom logits processors"),
     "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
     "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
-    "max_repetition_pattern_size": ((0, None), "stopping on repeated token patterns"),
-    "min_repetition_pattern_size": ((0, None), "stopping on repeated token patterns"),
-    "repetition_min_count": ((0, None), "stopping on repeated token patterns"),
     "guided_whitespace_pattern": ((None,), "a JSON whitespace pattern (JSON is written with ', ' and ': ')"),
     "prompt_embeds": ((None,), "prompt embeddings"),
     "mm_processor_kwargs": ((None,), "multimodal input"),
@@ -185,6 +183,40 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "chat_template": ((None,), "a chat template per request (the server's is used: engine_config.chat_template, "
                                "else the model's)"),
 }
+
+
+# repetition_detection's fields -> vLLM's flat fields of the same role (its spelling before the 0.32 object)
+FLAT_NAMES = {"max_pattern_size": "max_repetition_pattern_size", "min_pattern_size": "min_repetition_pattern_size",
+              "min_count": "repetition_min_count"}
+
+
+class RepetitionRule(BaseModel):
+    """vLLM's repetition_detection: end the output (finish_reason "repetition") once a pattern of
+    min_pattern_size..max_pattern_size tokens has come min_count times in a row at its end."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_pattern_size: int = Field(default=0, ge=0, le=MAX_PATTERN_SIZE, description="0: off")
+    min_pattern_size: int = Field(default=0, ge=0, le=MAX_PATTERN_SIZE, description="0: 1")
+    min_count: int = Field(default=0, ge=0, le=MAX_COUNT, description="at least 2 where detection is on")
+
+    @property
+    def on(self) -> bool:
+        return self.max_pattern_size > 0
+
+    def rule(self, spelled: dict[str, str]) -> RepetitionDetection | None:
+        """The engine's rule, or None where max_pattern_size is 0 (vLLM's off). `spelled`: each field as the request
+        named it, for the errors (sizes out of order, a count below 2)."""
+        if not self.on:
+            for field in ("min_pattern_size", "min_count"):
+                if getattr(self, field):  # vLLM would ignore it: not in silence here
+                    raise EngineInputError(f"{spelled[field]} needs {spelled['max_pattern_size']}, which turns "
+                                           "detection on", spelled[field])
+            return None
+        try:
+            return RepetitionDetection(self.max_pattern_size, self.min_pattern_size or 1, self.min_count)
+        except EngineInputError as exc:
+            field = exc.param.rsplit(".", 1)[-1]
+            raise EngineInputError(str(exc).replace(exc.param, spelled[field]), spelled[field]) from None
 
 
 class SamplingFields(BaseModel):
@@ -248,6 +280,11 @@ class SamplingFields(BaseModel):
     use_beam_search: bool = Field(default=False, description="the n best beams of a beam search of width n")
     length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0,
                                   description="beams rank by cumulative logprob / length ** length_penalty")
+    repetition_detection: RepetitionRule | None = None
+    # the same rule as vLLM spelled it before (each field the object's of the same role)
+    max_repetition_pattern_size: int = Field(default=0, ge=0, le=MAX_PATTERN_SIZE)
+    min_repetition_pattern_size: int = Field(default=0, ge=0, le=MAX_PATTERN_SIZE)
+    repetition_min_count: int = Field(default=0, ge=0, le=MAX_COUNT)
 
     @model_validator(mode="before")
     @classmethod
@@ -275,6 +312,26 @@ class SamplingFields(BaseModel):
         return False
 
     @model_validator(mode="after")
+    def _one_repetition_spelling(self) -> "SamplingFields":
+        flat = [name for name in FLAT_NAMES.values() if getattr(self, name)]
+        if flat and self.repetition_detection is not None:
+            raise refuse(flat[0], f"{flat[0]} beside repetition_detection (one spelling of the rule: vLLM's current "
+                                  "is the object)")
+        return self
+
+    def repetition_rule(self) -> RepetitionDetection | None:
+        """vLLM's repetition detection in either spelling, as the engine's rule."""
+        if self.repetition_detection is not None:
+            return self.repetition_detection.rule({field: f"repetition_detection.{field}" for field in FLAT_NAMES})
+        flat = RepetitionRule(**{field: getattr(self, name) for field, name in FLAT_NAMES.items()})
+        return flat.rule(FLAT_NAMES)
+
+    @property
+    def detects_repetition(self) -> bool:
+        return self.max_repetition_pattern_size > 0 or (self.repetition_detection is not None
+                                                        and self.repetition_detection.on)
+
+    @model_validator(mode="after")
     def _beam_search_alone(self) -> "SamplingFields":
         if not self.use_beam_search:
             if self.length_penalty != 1.0:
@@ -293,7 +350,8 @@ class SamplingFields(BaseModel):
                 "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
                 "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens > 0,
                 "logprobs": self.num_logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
-                "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words)}
+                "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
+                "repetition_detection": self.detects_repetition}
         return [field for field, asked in asks.items() if asked] + self.constraint_fields
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ import pytest
 
 from engine import LLM, AsyncLLMEngine, BeamSearchParams, PoolingParams, SamplingParams
 from engine.config import LoRAModule, SpeculativeConfig
+from engine.repetition import RepetitionDetection
 from engine.sampling_params import StructuredOutput
 from tests.fixtures.lora_adapters import make_adapter
 from tests.fixtures.tiny_models import tiny_checkpoint
@@ -59,8 +60,9 @@ def workload(seed: int, adapters: tuple = ()) -> list[tuple[str, list[int], Samp
     """(request id, prompt, params, add_request's other arguments): generations with random features, some of them
     the siblings an n > 1 request's choices are (the prompt of the request before, which they name as leader), some
     under a tenant's cache salt, and embedding requests among them; with `adapters`, each generation names one of
-    them or none (a sibling its leader's), drawn apart so the rest of the mix is the same."""
-    rng, pick_adapter = random.Random(seed), random.Random(-seed).choice
+    them or none (a sibling its leader's), and some generations a repetition rule, each drawn apart so the rest of the
+    mix is the same."""
+    rng, pick_adapter, rules = random.Random(seed), random.Random(-seed).choice, random.Random(seed + 11)
     prefixes = [[rng.randrange(FIRST_PLAIN_ID, VOCAB) for _ in range(rng.randint(20, 60))] for _ in range(3)]
     requests = []
     for i in range(REQUESTS):
@@ -76,11 +78,12 @@ def workload(seed: int, adapters: tuple = ()) -> list[tuple[str, list[int], Samp
             extra = {**extra, "prompt_leader": leader}
         elif adapters:
             extra["lora_name"] = pick_adapter([None, *(adapter.name for adapter in adapters)])
-        requests.append((f"r{i}", prompt, random_params(rng), extra))
+        rule = RepetitionDetection(rules.randint(1, 4), 1, rules.randint(2, 3)) if rules.random() < 0.35 else None
+        requests.append((f"r{i}", prompt, random_params(rng, rule), extra))
     return requests
 
 
-def random_params(rng: random.Random) -> SamplingParams:
+def random_params(rng: random.Random, repetition: RepetitionDetection | None) -> SamplingParams:
     chance = rng.random
     max_tokens = rng.randint(1, 40)
     extra = {}
@@ -114,7 +117,7 @@ def random_params(rng: random.Random) -> SamplingParams:
         extra["structured_output"] = StructuredOutput(regex=rng.choice(REGEXES), param="structured_outputs")
     elif kind < 0.25:
         extra["allowed_token_ids"] = rng.sample(range(FIRST_PLAIN_ID, VOCAB), 20)
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=chance() < 0.5, **extra)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=chance() < 0.5, repetition_detection=repetition, **extra)
 
 
 def alone_request(request_id: str, prompt: list[int], params: SamplingParams | None, extra: dict) -> tuple:
@@ -183,6 +186,7 @@ def test_each_request_gets_what_it_gets_alone_whatever_runs_beside_it(checkpoint
     served = serve(llm, workload(seed), aborted)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was preempted"
     assert any(cached for *_, cached in served.values()), "no prompt found another's blocks"
+    assert any(reason == "repetition" for _, reason, *_ in served.values()), "no output ended in a repeated pattern"
     assert_served_as_alone(served, want_all, set(aborted.values()))
 
 

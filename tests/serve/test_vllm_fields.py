@@ -8,6 +8,9 @@ import httpx
 import openai
 import pytest
 
+from engine.repetition import RepetitionDetection
+from tests.fixtures.repetition import first_stop
+
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "Write an email address, then describe a person."}]
@@ -258,9 +261,72 @@ def test_use_beam_search_gives_the_offline_engines_beams_as_choices_whole_and_st
 @pytest.mark.parametrize("extra,field", [({"temperature": 0.7}, "temperature"), ({"stop": ["\n"]}, "stop"),
                                          ({"logprobs": True}, "logprobs"), ({"top_k": 5}, "top_k"),
                                          ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
-                                         ({"n": 11}, "n")])
+                                         ({"n": 11}, "n"),
+                                         ({"repetition_detection": {"max_pattern_size": 4, "min_count": 2}},
+                                          "repetition_detection")])
 def test_what_a_beam_search_cannot_follow_is_a_400_naming_the_field(serve_app, extra, field):
     body = {"messages": ASK, "max_tokens": 4, "n": 2, "use_beam_search": True, **extra}
     r = httpx.post(serve_app["base_url"] + "/v1/chat/completions", json=body, timeout=60,
                    headers={"Authorization": f"Bearer {serve_app['api_key']}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+SPELLINGS = [{"repetition_detection": {"max_pattern_size": 8, "min_count": 3}},
+             {"max_repetition_pattern_size": 8, "repetition_min_count": 3}]  # vLLM's current, and before 0.32
+
+
+@pytest.mark.parametrize("rule", SPELLINGS, ids=["object", "flat"])
+def test_a_completion_that_repeats_ends_where_the_pattern_completes_whole_and_streamed(serve_app, rule):
+    """vLLM's repetition detection: the free greedy output, cut at its first token that ends a pattern of up to 8
+    tokens seen 3 times in a row, finish_reason "repetition"; the stream's chunks add up to the same."""
+    body = {"prompt": "1, 2, 1, 2, 1,", "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    free = post(serve_app, "/v1/completions", body).json()["choices"][0]
+    cut = first_stop(free["token_ids"], RepetitionDetection(8, 1, 3), 0)
+    assert cut is not None and cut < 40, free
+    (choice,) = post(serve_app, "/v1/completions", {**body, **rule}).json()["choices"]
+    assert choice["token_ids"] == free["token_ids"][:cut] and choice["finish_reason"] == "repetition", choice
+    assert choice["text"] == post(serve_app, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
+    text, reasons = "", []
+    with httpx.stream("POST", serve_app["base_url"] + "/v1/completions", json={**body, **rule, "stream": True},
+                      timeout=120, headers={"Authorization": f"Bearer {serve_app['api_key']}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text, reasons = text + c["text"], reasons + [c["finish_reason"]]
+    assert text == choice["text"] and [reason for reason in reasons if reason] == ["repetition"]
+
+
+def test_a_chat_reply_that_repeats_says_so(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write 'ha' fifty times, nothing else."}], max_tokens=60,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "repetition_detection": {"max_pattern_size": 4, "min_count": 4}})
+    assert reply.choices[0].finish_reason == "repetition" and reply.usage.completion_tokens < 60, reply
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"repetition_min_count": 3}, "repetition_min_count"),
+    ({"min_repetition_pattern_size": 2}, "min_repetition_pattern_size"),
+    ({"max_repetition_pattern_size": 4}, "repetition_min_count"),
+    ({"max_repetition_pattern_size": 4, "repetition_min_count": 1}, "repetition_min_count"),
+    ({"max_repetition_pattern_size": 4, "min_repetition_pattern_size": 5, "repetition_min_count": 2},
+     "min_repetition_pattern_size"),
+    ({"max_repetition_pattern_size": 5000, "repetition_min_count": 2}, "max_repetition_pattern_size"),
+    ({"max_repetition_pattern_size": -1}, "max_repetition_pattern_size"),
+    ({"repetition_detection": {"min_count": 3}}, "repetition_detection.min_count"),
+    ({"repetition_detection": {"max_pattern_size": 4}}, "repetition_detection.min_count"),
+    ({"repetition_detection": {"max_pattern_size": 4, "min_pattern_size": 9, "min_count": 2}},
+     "repetition_detection.min_pattern_size"),
+    ({"repetition_detection": {"max_pattern_size": 5000, "min_count": 2}}, "repetition_detection.max_pattern_size"),
+    ({"repetition_detection": {"max_pattern_size": 4, "min_count": 2, "window": 9}}, "repetition_detection.window"),
+    ({"repetition_detection": {"max_pattern_size": 4, "min_count": 2}, "repetition_min_count": 2},
+     "repetition_min_count"),
+], ids=["count-alone", "min-alone", "no-count", "count-1", "min-over-max", "max-too-large", "negative",
+        "object-count-alone", "object-no-count", "object-min-over-max", "object-max-too-large", "object-unknown-key",
+        "both-spellings"])
+def test_a_repetition_rule_that_cannot_be_is_a_400_naming_its_field(client, extra, field):
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, **extra)
+    error = refused.value.body
+    assert error["param"] == field and field in error["message"], error

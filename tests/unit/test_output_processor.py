@@ -44,6 +44,16 @@ def test_one_token_at_a_time_the_deltas_add_up_to_the_text_and_hold_no_broken_ch
     assert last.token_ids == tokens and last.finished and "r" not in processor.requests
 
 
+@pytest.mark.parametrize("reason", ["length", "repetition"])
+def test_an_output_the_core_ends_inside_a_character_keeps_its_partial_bytes(tokenizer, reason):
+    """The core may end an output (its length, a repeated pattern) one token into a character: the text ends as the
+    tokenizer decodes those tokens, not short of them."""
+    tokens = ids_of(tokenizer, "ok 🐉")[:-1]
+    assert tokenizer.decode(tokens).endswith("\ufffd"), "the cut must fall inside the character"
+    (out,), stopped = start(tokenizer).process([core(tokens, reason)])
+    assert out.text == tokenizer.decode(tokens) and out.finish_reason == reason and not stopped
+
+
 def test_each_output_keeps_the_tokens_it_was_made_with_while_later_ones_grow(tokenizer):
     """Outputs share the request's growing token list instead of copying it (O(length) a step a stream): each must
     still read as of its own making, however many outputs come after it."""
