@@ -6,7 +6,8 @@ The core keeps, per period p, how many tokens in a row at the output's end equal
 of length p repeats c times exactly when that run reaches p * (c - 1)). A new token extends the runs of the periods
 whose earlier token it equals, found by a C-level scan of the window, and ends every other: a step costs the window's
 scan plus one dict entry per match, where rechecking every period from the end (vLLM's way) costs a Python loop over
-every period, every token."""
+every period, every token. Periods too long to come min_count times within the request's max_tokens are never
+scanned."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,7 +48,15 @@ class RepetitionRuns:
     """One request's runs, advanced by each token appended to its output."""
 
     rule: RepetitionDetection
+    longest: int  # the longest period that can still come min_count times within the request's max_tokens
     runs: dict[int, int] = field(default_factory=dict)  # period -> tokens in a row equal to the one `period` before
+
+    @classmethod
+    def within(cls, rule: RepetitionDetection, max_tokens: int) -> RepetitionRuns | None:
+        """The runs of an output of at most max_tokens, or None where no pattern of the rule fits min_count times:
+        a huge min_count scans nothing, where vLLM bounds it by the output so far."""
+        longest = min(rule.max_pattern_size, max_tokens // rule.min_count)
+        return cls(rule, longest) if longest >= rule.min_pattern_size else None
 
     def append(self, tokens: list[int], output_start: int) -> bool:
         """Account for tokens[-1], just appended (tokens[output_start:] is the output); whether the output now ends
@@ -56,8 +65,8 @@ class RepetitionRuns:
         last, runs, extended = tokens[end], self.runs, {}
         repeats = rule.min_count - 1
         found = False
-        # the earlier token of period p sits at end - p: p in [min, max], in the output
-        position, stop = max(output_start, end - rule.max_pattern_size), end - rule.min_pattern_size + 1
+        # the earlier token of period p sits at end - p: p in [min, longest], in the output
+        position, stop = max(output_start, end - self.longest), end - rule.min_pattern_size + 1
         while position < stop:
             try:
                 position = tokens.index(last, position, stop)
@@ -69,4 +78,3 @@ class RepetitionRuns:
             position += 1
         self.runs = extended
         return found
-

@@ -51,7 +51,8 @@ def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
         prompt_ranks=[None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None,
         draws_from_logits_alone=params.draws_from_logits_alone,
         greedy=params.greedy,
-        repetition=RepetitionRuns(params.repetition_detection) if params.repetition_detection else None,
+        repetition=RepetitionRuns.within(params.repetition_detection, request.max_tokens)
+        if params.repetition_detection else None,
     )
 
 

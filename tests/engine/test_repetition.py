@@ -22,14 +22,20 @@ RULES = [RepetitionDetection(8, 1, 3), RepetitionDetection(8, 4, 2), RepetitionD
        largest=st.integers(1, 12), smallest=st.integers(1, 12), count=st.integers(2, 5))
 def test_the_runs_give_the_definitions_answer_after_every_token(prompt, output, largest, smallest, count):
     rule = RepetitionDetection(largest, min(smallest, largest), count)
-    runs, tokens = RepetitionRuns(rule), list(prompt)
+    runs, tokens = RepetitionRuns.within(rule, len(output)), list(prompt)  # the output at its max_tokens
     for n, token in enumerate(output, 1):
         tokens.append(token)
-        assert runs.append(tokens, len(prompt)) == repeats_at_end(output[:n], rule), (output[:n], rule)
+        found = runs is not None and runs.append(tokens, len(prompt))
+        assert found == repeats_at_end(output[:n], rule), (output[:n], rule)
+
+
+def test_a_pattern_that_cannot_come_min_count_times_within_max_tokens_is_never_looked_for():
+    assert RepetitionRuns.within(RepetitionDetection(MAX_PATTERN_SIZE, 3, 1 << 31), 4096) is None
+    assert RepetitionRuns.within(RepetitionDetection(MAX_PATTERN_SIZE, 1, 4), 400).longest == 100
 
 
 def test_the_prompt_never_counts_toward_a_pattern():
-    runs, tokens = RepetitionRuns(RepetitionDetection(1, 1, 3)), [5, 5, 5, 5]
+    runs, tokens = RepetitionRuns.within(RepetitionDetection(1, 1, 3), 3), [5, 5, 5, 5]
     found = []
     for _ in range(3):
         tokens.append(5)
