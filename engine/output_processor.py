@@ -40,6 +40,9 @@ class RequestOutput:
     # num_tokens. A copy each output cost a stream O(length) a step (256 streams at 2,000 tokens: ~2 ms a step).
     live_token_ids: list[int] = field(default_factory=list, repr=False)
     embedding_f32: bytes | None = field(default=None, repr=False)  # an embedding request's, as the core sent it
+    # vLLM's stop_reason: the stop string or stop token id that ended the output, "repetition_detected" for a
+    # repeated pattern; None for an EOS, the length and anything else
+    stop_reason: int | str | None = None
 
     @property
     def embedding(self) -> list[float] | None:
@@ -92,6 +95,7 @@ class RequestText:
     sent_text_len: int = 0
     sent_token_len: int = 0
     output_at: float = 0  # no output before this many tokens but the last (vLLM's FINAL_ONLY: never before it)
+    stop_reason: int | str | None = None  # RequestOutput's, once it ends
 
 
 class OutputProcessor:
@@ -160,30 +164,46 @@ class OutputProcessor:
             token_ids.append(token)
             if logprobs is not None:
                 logprobs.append(out.new_logprobs[i])
-            if self._add_text(request, add_token(token)):
+            if (stop := self._add_text(request, add_token(token))) is not None:
+                request.stop_reason = stop
                 return "stop", None  # the core's later tokens, accepted drafts included, are not the reader's
         if out.finish_reason in ("length", "repetition") or (out.finish_reason == "stop" and not (
                 token_ids and token_ids[-1] in self.eos_token_ids)):
             self._add_text(request, request.detokenizer.flush())  # an EOS ends the text as it is
+        if out.finish_reason is not None:
+            request.stop_reason = self._core_stop_reason(request, out.finish_reason)
         return out.finish_reason, out.error
 
+    def _core_stop_reason(self, request: RequestText, finish_reason: str) -> int | str | None:
+        """vLLM's stop_reason for an end the core chose: its stop token (an EOS the request honours comes first, as
+        vLLM checks it first), or the repetition."""
+        if finish_reason == "repetition":
+            return "repetition_detected"
+        if finish_reason == "stop" and request.token_ids:
+            last, params = request.token_ids[-1], request.params
+            if last in params.stop_token_ids and (params.ignore_eos or last not in self.eos_token_ids):
+                return last
+        return None
+
     @staticmethod
-    def _add_text(request: RequestText, chunk: str) -> bool:
+    def _add_text(request: RequestText, chunk: str) -> str | None:
         """Append a token's text; where that completes a stop string (min_tokens reached), cut the text where the
-        stop string starts (ends, with include_stop_str_in_output) and say so. Only the tail the chunk could complete is searched, as vLLM does."""
+        stop string starts (ends, with include_stop_str_in_output) and return it. Only the tail the chunk could
+        complete is searched, as vLLM does."""
         if not chunk:
-            return False
+            return None
         start = len(request.text)
         request.text += chunk
         params = request.params
         if not params.stop_strings or len(request.token_ids) < params.min_tokens:
-            return False
-        hits = [(i, len(s)) for i, s in ((request.text.find(s, max(0, start - len(s) + 1)), s)
-                                         for s in params.stop_strings) if i >= 0]
-        if hits:
-            at, length = min(hits)
-            request.text = request.text[:at + length if params.include_stop_str_in_output else at]
-        return bool(hits)
+            return None
+        hits = [(i, len(s), s) for i, s in ((request.text.find(s, max(0, start - len(s) + 1)), s)
+                                            for s in params.stop_strings) if i >= 0]
+        if not hits:
+            return None
+        at, length, stop = min(hits)
+        request.text = request.text[:at + length if params.include_stop_str_in_output else at]
+        return stop
 
     @staticmethod
     def _output(out: CoreOutput, request: RequestText, reason: str | None, error: str | None) -> RequestOutput:
@@ -208,6 +228,7 @@ class OutputProcessor:
             prompt_ranks=request.prompt_ranks,
             live_token_ids=request.token_ids,
             embedding_f32=out.embedding,
+            stop_reason=request.stop_reason,
         )
         request.sent_text_len, request.sent_token_len = visible, num_tokens
         return result

@@ -345,7 +345,7 @@ class Ingress:
                         choice.prefix_logprobs = delta.prompt_logprobs if job.echo else None
                         choice.prompt_scores = None if job.echo else delta.prompt_logprobs
                 choices[delta.index].add(delta.text, delta.completion_tokens, delta.finish_reason, delta.logprobs,
-                                         delta.token_ids, delta.reasoning_tokens)
+                                         delta.token_ids, delta.reasoning_tokens, delta.stop_reason)
                 cached_tokens = delta.cached_tokens if delta.index == 0 else cached_tokens
             return admitted, cached_tokens
         except BaseException:
@@ -399,7 +399,7 @@ class Ingress:
                     for choice in choices[first:first + n]:
                         choice.score_prompt(delta.prompt_logprobs)
                 for choice in choices[first + delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs,
-                                                                  delta.token_ids):
+                                                                  delta.token_ids, delta.stop_reason):
                     chunk = chunk_body(request_id, model, [choice], chat, created)
                     if prompt_token_ids is not None:  # return_token_ids in a chat: on the stream's first chunk
                         chunk["prompt_token_ids"], prompt_token_ids = prompt_token_ids, None

@@ -106,6 +106,7 @@ class Delta:
     error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
     token_ids: list[int] | None = None  # the new tokens' ids, when the job asks for them
     reasoning_tokens: int | None = None  # with the job's reasoning format, on the choice's last delta: its thinking's
+    stop_reason: int | str | None = None  # vLLM's, on the choice's last delta: the stop string or token id that ended it
 
 
 @dataclass

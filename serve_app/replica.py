@@ -281,7 +281,7 @@ class EngineReplica:
         return Delta(index, text, last.num_tokens, last.finish_reason, last.error, logprobs, last.num_cached_tokens,
                      error_param=last.error_param,
                      token_ids=list(last.token_ids_since(sent_tokens)) if job.return_token_ids else None,
-                     reasoning_tokens=thinking)
+                     reasoning_tokens=thinking, stop_reason=last.stop_reason)
 
     @staticmethod
     def _prompt_logprobs(output: RequestOutput, top: int, texts) -> list[TokenLogprob]:

@@ -70,13 +70,14 @@ class Choice:
     show_reasoning: bool = True  # include_reasoning
     reasoning_tokens: int = 0
     tool_format: str = "hermes"  # the app's tool-call parser
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended the choice
 
     def add(self, text: str, completion_tokens: int, finish_reason: str | None,
             logprobs: list[TokenLogprob] | None, token_ids: list[int] | None = None,
-            reasoning_tokens: int | None = None) -> None:
+            reasoning_tokens: int | None = None, stop_reason: int | str | None = None) -> None:
         self.text += text
         self.reasoning_tokens = reasoning_tokens if reasoning_tokens is not None else self.reasoning_tokens
-        self.completion_tokens, self.finish_reason = completion_tokens, finish_reason
+        self.completion_tokens, self.finish_reason, self.stop_reason = completion_tokens, finish_reason, stop_reason
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
         if token_ids is not None:
@@ -89,7 +90,8 @@ class Choice:
             if self.logprobs is not None:
                 logprobs = completion_logprobs((self.prefix_logprobs or []) + self.logprobs,
                                                0 if self.prefix_logprobs else len(self.prefix))
-            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason,
+                      "stop_reason": self.stop_reason}
             if self.prompt_scores is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_scores)
             return self._with_ids(choice, self.prompt_token_ids)
@@ -104,7 +106,7 @@ class Choice:
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         logprobs = chat_logprobs(self.logprobs) if self.logprobs is not None else None
         return self._with_ids({"index": self.index, "message": message, "logprobs": logprobs,
-                               "finish_reason": finish_reason})
+                               "finish_reason": finish_reason, "stop_reason": self.stop_reason})
 
     def _with_ids(self, choice: dict, prompt_token_ids: list[int] | None = None) -> dict:
         """vLLM's `token_ids` (and, for completions, `prompt_token_ids`) on a choice, when asked for."""
@@ -165,8 +167,9 @@ class StreamedChoice:
             self.pending_logprobs = entries + self.pending_logprobs
 
     def chunks(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-               token_ids: list[int] | None = None) -> list[dict]:
-        """The chunk choices this delta makes (none while held back, unless it starts or ends the choice)."""
+               token_ids: list[int] | None = None, stop_reason: int | str | None = None) -> list[dict]:
+        """The chunk choices this delta makes (none while held back, unless it starts or ends the choice); the last
+        names vLLM's stop_reason beside the finish_reason."""
         self.pending_logprobs += logprobs or []
         if token_ids is not None and self.pending_token_ids is not None:
             self.pending_token_ids += token_ids
@@ -181,7 +184,9 @@ class StreamedChoice:
         self.text += text
         visible = tool_calls.safe_content_length(self.text, self.tool_format) if self.parse_tool_calls else len(self.text)
         if finish_reason is not None:
-            return out + self._final(finish_reason)
+            final = self._final(finish_reason)
+            final[-1]["stop_reason"] = stop_reason
+            return out + final
         if visible > self.sent or not (self.started or out):
             new, self.sent = self.text[self.sent:visible], max(self.sent, visible)
             out.append(self._choice(new, None, logprobs=logprobs is not None))

@@ -286,6 +286,7 @@ def test_a_completion_that_repeats_ends_where_the_pattern_completes_whole_and_st
     assert cut is not None and cut < 40, free
     (choice,) = post(serve_app, "/v1/completions", {**body, **rule}).json()["choices"]
     assert choice["token_ids"] == free["token_ids"][:cut] and choice["finish_reason"] == "repetition", choice
+    assert choice["stop_reason"] == "repetition_detected" and free["stop_reason"] is None
     assert choice["text"] == post(serve_app, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
     text, reasons = "", []
     with httpx.stream("POST", serve_app["base_url"] + "/v1/completions", json={**body, **rule, "stream": True},
@@ -293,16 +294,44 @@ def test_a_completion_that_repeats_ends_where_the_pattern_completes_whole_and_st
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:
-                    text, reasons = text + c["text"], reasons + [c["finish_reason"]]
-    assert text == choice["text"] and [reason for reason in reasons if reason] == ["repetition"]
+                    text, reasons = text + c["text"], reasons + [(c["finish_reason"], c.get("stop_reason"))]
+    assert text == choice["text"] and [r for r in reasons if r[0]] == [("repetition", "repetition_detected")]
 
 
-def test_a_chat_reply_that_repeats_says_so(client):
-    reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write 'ha' fifty times, nothing else."}], max_tokens=60,
-        temperature=0.0,
-        extra_body={"ignore_eos": True, "repetition_detection": {"max_pattern_size": 4, "min_count": 4}})
-    assert reply.choices[0].finish_reason == "repetition" and reply.usage.completion_tokens < 60, reply
+def test_each_choice_names_what_stopped_it_as_vllm_does_whole_and_streamed(client):
+    """vLLM's stop_reason: the stop string or stop token id that ended a choice; None for an EOS or the length."""
+    prompt, base = "The capital of France is", dict(model=MODEL, max_tokens=12, temperature=0.0)
+    free = client.completions.create(prompt=prompt, **base, extra_body={"ignore_eos": True,
+                                                                         "return_token_ids": True}).choices[0]
+    assert free.finish_reason == "length" and free.stop_reason is None
+    word = free.text.split()[1]
+    by_string = client.completions.create(prompt=prompt, **base, stop=["zzz", word]).choices[0]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", word)
+    stream = client.completions.create(prompt=prompt, **base, stop=[word], stream=True)
+    ends = [(c.finish_reason, getattr(c, "stop_reason", None)) for chunk in stream for c in chunk.choices]
+    assert [end for end in ends if end[0]] == [("stop", word)]
+    ask, keep_on = [{"role": "user", "content": prompt}], {"ignore_eos": True}
+    token = client.chat.completions.create(messages=ask, **base, extra_body={**keep_on, "return_token_ids": True}
+                                           ).choices[0].token_ids[2]
+    by_id = client.chat.completions.create(messages=ask, **base, extra_body={**keep_on, "stop_token_ids": [token]})
+    assert (by_id.choices[0].finish_reason, by_id.choices[0].stop_reason) == ("stop", token)
+    streamed = client.chat.completions.create(messages=ask, **base, stream=True,
+                                              extra_body={**keep_on, "stop_token_ids": [token]})
+    assert [(c.finish_reason, c.stop_reason) for chunk in streamed for c in chunk.choices if c.finish_reason] == [
+        ("stop", token)]
+
+
+def test_a_chat_reply_that_repeats_ends_at_its_first_repeat(client):
+    ask = [{"role": "user", "content": "List the letters a, b, a, b, a, b, and continue the pattern."}]
+    base = dict(model=MODEL, messages=ask, max_tokens=60, temperature=0.0)
+    free = client.chat.completions.create(**base, extra_body={"ignore_eos": True, "return_token_ids": True})
+    cut = first_stop(free.choices[0].token_ids, RepetitionDetection(4, 1, 4), 0)
+    assert cut is not None and cut < 60, free.choices[0].message.content
+    reply = client.chat.completions.create(**base, extra_body={
+        "ignore_eos": True, "return_token_ids": True, "repetition_detection": {"max_pattern_size": 4, "min_count": 4}})
+    (choice,) = reply.choices
+    assert (choice.finish_reason, choice.stop_reason) == ("repetition", "repetition_detected")
+    assert choice.token_ids == free.choices[0].token_ids[:cut] and reply.usage.completion_tokens == cut
 
 
 @pytest.mark.parametrize("extra,field", [
