@@ -135,7 +135,7 @@ class InputProcessor:
 
     def truncated(self, token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as leave room for max_tokens, or one
-        token, in the context and the KV cache), or all of it."""
+        token, in the context and the KV cache; its first ones with truncation_side "right"), or all of it."""
         keep = params.truncate_prompt_tokens
         if keep == -1:
             room = min(self.limits.max_model_len, self.limits.kv_capacity_tokens)
@@ -145,7 +145,7 @@ class InputProcessor:
         if keep < 1:
             raise EngineInputError(f"max_tokens is {params.max_tokens}: no prompt fits beside it in the model's context "
                                    f"of {self.limits.max_model_len}", "max_tokens")
-        return token_ids[-keep:]
+        return token_ids[:keep] if params.truncation_side == "right" else token_ids[-keep:]
 
     def check_in_vocabulary(self, token_ids: list[int], param: str) -> None:
         """EngineInputError naming `param` for the first id outside [0, vocab_size)."""

@@ -66,6 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string ends the text after itself instead of before
     # keep only the prompt's last k tokens; -1: as many as fit the context beside max_tokens (vLLM's field)
     truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"  # "left" keeps the prompt's last k tokens, "right" its first k (vLLM's field)
     allowed_token_ids: list[int] | None = None  # the only tokens the output may hold (vLLM's field)
     # never generated (vLLM's rule): a word's last token is banned where the output ends with the tokens before it
     bad_words: list[str] | None = None
@@ -112,6 +113,8 @@ class SamplingParams:
                 and self.truncate_prompt_tokens != -1:
             bad(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}",
                 "truncate_prompt_tokens")
+        if self.truncation_side not in ("left", "right"):
+            bad(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}", "truncation_side")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not self.temperature >= 0.0:

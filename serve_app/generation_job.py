@@ -20,12 +20,15 @@ def generation_job(request_id: str, body: SamplingFields, prompt, args: AppArgs,
     """The engine's part of a request. The engine's own checks (a SamplingParams that cannot be) become 400s that
     name the field."""
     tools = offered_tools(body)
+    own_interval = body.stream_interval or 1  # vLLM's: raises the server's for this request, never lowers it
     try:
         chat = chat_options(body, args) if isinstance(body, ChatCompletionRequest) else DEFAULT_OPTIONS
         return GenerationJob(request_id, prompt, sampling_params(body, tools, args.tool_call_parser), body.n,
-                             body.cache_salt, tools,
-                             echo=getattr(body, "echo", False), stream_interval=args.stream_interval if body.stream else None,
-                             stream_chunks_per_step=args.stream_chunks_per_step, chat=chat,
+                             body.cache_salt, tools, echo=getattr(body, "echo", False),
+                             stream_interval=max(args.stream_interval, own_interval) if body.stream else None,
+                             stream_chunks_per_step=args.stream_chunks_per_step, least_stream_interval=own_interval,
+                             chat=chat,
+                             return_prompt_text=bool(getattr(body, "return_prompt_text", False)),
                              return_token_ids=body.return_token_ids,
                              return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority,
                              lora_name=lora_name, reasoning=reasoning, beam=beam_search_params(body),
@@ -61,6 +64,7 @@ def sampling_params(body: SamplingFields, tools: list[dict] | None, tool_format:
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens, logprobs=body.num_logprobs, skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output, truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side or "left",
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
         prompt_logprobs=body.num_logprobs if body.scores_prompt_by_echo else body.prompt_logprobs,
         logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,

@@ -230,7 +230,7 @@ class Ingress:
         stream = started[0][0] if len(started) == 1 else MergedStreams([s for s, _ in started])
         return self._chunks(stream, request_id, int(time.time()), chat, choices, sum(a.prompt_tokens for _, a in started),
                             body.stream_options or StreamOptions(), self._shows_cached_tokens(body), n,
-                            started[0][1].prompt_token_ids if chat else None, self._model_name(body.model))
+                            chat_prompt_fields(body, started[0][1]), self._model_name(body.model))
 
     def _reasoning(self, body: SamplingFields, chat: bool) -> tuple[ReasoningFormat | None, bool]:
         """A chat's reasoning format (the app's reasoning parser), and whether its reasoning is shown."""
@@ -259,8 +259,7 @@ class Ingress:
         thinking = sum(c.reasoning_tokens for c in choices) if fmt is not None else None
         response = completion_body(request_id, self._model_name(body.model), choices, chat,
                                    usage(prompt_tokens, tokens, shown, thinking), created)
-        if chat and body.return_token_ids:  # vLLM's place for a chat's prompt ids; completions' are per choice
-            response["prompt_token_ids"] = results[0][0].prompt_token_ids
+        response |= chat_prompt_fields(body, results[0][0])
         if chat and body.prompt_logprobs is not None:  # vLLM's place for a chat's; completions' are per choice
             response["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_scores)
         return response
@@ -371,7 +370,7 @@ class Ingress:
 
     async def _chunks(self, stream, request_id: str, created: int, chat: bool, choices: list[StreamedChoice],
                       prompt_tokens: int, options: StreamOptions, shows_cached_tokens: bool, n: int,
-                      prompt_token_ids: list[int] | None, model: str):
+                      first_chunk_fields: dict, model: str):
         tokens = [0] * len(choices)
         cached = [0] * (len(choices) // n)  # each prompt's cached tokens, as its first choice reports them
         thinking = [0] * len(choices) if choices and choices[0].reasoning is not None else None
@@ -401,8 +400,8 @@ class Ingress:
                 for choice in choices[first + delta.index].chunks(delta.text, delta.finish_reason, delta.logprobs,
                                                                   delta.token_ids, delta.stop_reason):
                     chunk = chunk_body(request_id, model, [choice], chat, created)
-                    if prompt_token_ids is not None:  # return_token_ids in a chat: on the stream's first chunk
-                        chunk["prompt_token_ids"], prompt_token_ids = prompt_token_ids, None
+                    if first_chunk_fields:  # a chat's prompt ids and text, when asked for: on the first chunk
+                        chunk, first_chunk_fields = chunk | first_chunk_fields, {}
                     if options.usage_on_every_chunk:
                         chunk["usage"] = usage_so_far()
                     yield chunk
@@ -428,6 +427,15 @@ class Ingress:
             log.warning("engine call failed: %s", type(exc).__name__)
             raise OpenAIError(503, f"no engine replica could serve the request ({type(exc).__name__})",
                               retry_after_s=self.args.retry_after_s)
+
+
+def chat_prompt_fields(body: SamplingFields, admitted: Admitted) -> dict:
+    """A chat's prompt, where vLLM puts it (the response, or a stream's first chunk): its ids with return_token_ids,
+    the template's text with return_prompt_text. Completions carry theirs per choice."""
+    if not isinstance(body, ChatCompletionRequest):
+        return {}
+    return ({"prompt_token_ids": admitted.prompt_token_ids} if body.return_token_ids else {}) | (
+        {"prompt_text": admitted.prompt_text} if body.return_prompt_text else {})
 
 
 def _generation_failed(delta: Delta) -> OpenAIError:

@@ -182,6 +182,15 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "documents": ((None,), "documents for a RAG chat template"),
     "chat_template": ((None,), "a chat template per request (the server's is used: engine_config.chat_template, "
                                "else the model's)"),
+    "thinking_token_budget": ((None, -1), "a thinking token budget (a model thinks as its chat template says)"),
+    "watermarking": ((None, False), "watermarking"),
+    "logprob_token_ids": ((None,), "logprobs of chosen token ids (top_logprobs gives the most likely ones)"),
+    "return_token_offsets": ((None, False), "token offsets (vLLM gives them on its render endpoints only)"),
+    "media_io_kwargs": ((None,), "multimodal input"),
+    "mm_payload": ((None, "tensors"), "multimodal payloads (vLLM's render endpoints)"),
+    "return_mm_kwargs": ((None, True), "multimodal payloads (vLLM's render endpoints)"),
+    "ec_transfer_params": ((None,), "encoder-cache transfer (ec_transfer_params)"),
+    "routed_experts_prompt_start": ((0,), "routed-expert data (no mixture-of-experts routing is recorded)"),
 }
 
 
@@ -266,6 +275,12 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep the prompt's last k tokens")
+    truncation_side: Literal["left", "right"] | None = Field(
+        default=None, description="with truncate_prompt_tokens: 'left' (None) keeps the last k, 'right' the first k")
+    stream_interval: int | None = Field(default=None, ge=1, le=1 << 20, description=(
+        "tokens per streamed chunk after the first for this request, at least the server's stream_interval"))
+    session_id: str | None = Field(default=None, max_length=256, description=(
+        "accepted: a conversation's identity (vLLM's KV events carry it; the prefix cache is automatic here)"))
     return_token_ids: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                         description="each prompt token's logprob and rank, with this many alternatives")
@@ -536,6 +551,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # false: the reply's reasoning (the app's reasoning_parser) is left out
+    return_prompt_text: bool | None = None  # the prompt the template wrote, as `prompt_text` (a stream's first chunk)
 
     def chat_options(self) -> ChatOptions:
         """How the messages become the prompt; EngineInputError naming the field that cannot be."""

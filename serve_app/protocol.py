@@ -23,9 +23,11 @@ class GenerationJob:
     echo: bool = False  # completions: the prompt's text comes back in Admitted
     stream_interval: int | None = 1  # tokens per Delta after a choice's first; None: one Delta per choice, at its end
     stream_chunks_per_step: int | None = None  # set: stream_interval is the most, adapted to the replica's streams
+    least_stream_interval: int = 1  # the request's own stream_interval (vLLM's): no adapted interval goes below it
     chat: ChatOptions = DEFAULT_OPTIONS  # how chat messages become the prompt
     return_token_ids: bool = False  # the prompt's ids in Admitted, each delta's new ids in it (vLLM's field)
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>" (vLLM's field)
+    return_prompt_text: bool = False  # the prompt's text in Admitted, as echo has it (vLLM's return_prompt_text)
     priority: int = 0  # the engine's priority policy serves a lower value first; its fcfs policy refuses any other
     lora_name: str | None = None  # the LoRA adapter the request named as its model; None: the base model
     reasoning: ReasoningFormat | None = None  # the app's reasoning parser, for a chat: its constraint waits for the end
@@ -59,7 +61,7 @@ class Embeddings:
 @dataclass
 class Admitted:
     prompt_tokens: int
-    prompt_text: str | None = None  # the prompt as text, for completions' echo
+    prompt_text: str | None = None  # the prompt as text, for completions' echo and a chat's return_prompt_text
     prompt_token_ids: list[int] | None = None  # when the job asks for token ids
 
 

@@ -163,8 +163,8 @@ class EngineReplica:
         if self.args.log_prompts:
             log.info("request %s prompt=%r", job.request_id, job.prompt)
         try:
-            yield Admitted(len(prompt_ids), self._token_texts.tokenizer.decode(prompt_ids) if job.echo else None,
-                           list(prompt_ids) if job.return_token_ids else None)
+            text = self._token_texts.tokenizer.decode(prompt_ids) if job.echo or job.return_prompt_text else None
+            yield Admitted(len(prompt_ids), text, list(prompt_ids) if job.return_token_ids else None)
             if job.beam is not None:
                 async for delta in self._beams(job, prompt_ids):
                     if delta.index == 0 and delta.error is None:  # beams come whole at the end: the first is the first chunk
@@ -267,7 +267,7 @@ class EngineReplica:
         per_step = job.stream_chunks_per_step
         if job.stream_interval is None or per_step is None:
             return job.stream_interval
-        return min(job.stream_interval, max(1, -(-self.frontend.num_open_streams // per_step)))
+        return min(job.stream_interval, max(job.least_stream_interval, -(-self.frontend.num_open_streams // per_step)))
 
     def _delta(self, index: int, text: str, last: RequestOutput, sent_tokens: int, job: GenerationJob) -> Delta:
         logprobs, top_logprobs = None, job.params.logprobs

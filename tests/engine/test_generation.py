@@ -128,6 +128,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm32):
     assert len(request.prompt_token_ids) == context - 7 and request.prompt_token_ids[-1] == 100 + context + 49
 
 
+def test_truncation_side_right_keeps_the_prompts_first_tokens_instead(llm32):
+    ids = llm32.engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    (cut,) = llm32.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, truncate_prompt_tokens=5,
+                                                  truncation_side="right"), use_tqdm=False)
+    (head,) = llm32.generate([ids[:5]], params, use_tqdm=False)
+    assert cut.prompt_token_ids == ids[:5] and cut.token_ids == head.token_ids
+    with pytest.raises(EngineInputError) as refused:
+        SamplingParams(truncate_prompt_tokens=5, truncation_side="middle")
+    assert refused.value.param == "truncation_side"
+
+
 def test_the_priority_policy_serves_lower_values_first_and_fcfs_refuses_any_but_0(llm32):
     from engine import LLM
 

@@ -57,6 +57,13 @@ EXAMPLES = {
                                "add_generation_prompt": False, "continue_final_message": True},
     "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
     "include_reasoning": {"include_reasoning": False},
+    "truncation_side": {"truncate_prompt_tokens": 3, "truncation_side": "right"}, "stream_interval": {
+        "stream": True, "stream_interval": 2}, "session_id": {"session_id": "chat-42"},
+    "return_prompt_text": {"return_prompt_text": True}, "thinking_token_budget": {"thinking_token_budget": 16},
+    "watermarking": {"watermarking": True}, "logprob_token_ids": {"logprob_token_ids": [5]},
+    "return_token_offsets": {"return_token_offsets": True}, "media_io_kwargs": {"media_io_kwargs": {"image": {}}},
+    "mm_payload": {"mm_payload": "none"}, "return_mm_kwargs": {"return_mm_kwargs": False},
+    "ec_transfer_params": {"ec_transfer_params": {}}, "routed_experts_prompt_start": {"routed_experts_prompt_start": 2},
 }
 
 

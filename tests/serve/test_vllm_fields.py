@@ -145,6 +145,27 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_chat_or_completion_pr
     assert reply.usage.prompt_tokens == 7
 
 
+def test_truncation_side_right_keeps_a_prompts_first_tokens(serve_app):
+    long = "Tell me about the sea. " * 20
+    body = {"prompt": long, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    (cut,) = post(serve_app, "/v1/completions", {**body, "truncate_prompt_tokens": 5,
+                                                 "truncation_side": "right"}).json()["choices"]
+    ids = post(serve_app, "/tokenize", {"prompt": long}).json()["tokens"]
+    (head,) = post(serve_app, "/v1/completions", {**body, "prompt": ids[:5]}).json()["choices"]
+    assert cut["prompt_token_ids"] == ids[:5] and cut["token_ids"] == head["token_ids"], (cut, head)
+
+
+def test_return_prompt_text_gives_the_prompt_the_template_wrote_whole_and_on_a_streams_first_chunk(serve_app):
+    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3, "return_prompt_text": True}
+    whole = post(serve_app, "/v1/chat/completions", body).json()
+    assert whole["prompt_text"].endswith("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n")
+    assert "prompt_text" not in post(serve_app, "/v1/chat/completions", {**body, "return_prompt_text": False}).json()
+    with httpx.stream("POST", serve_app["base_url"] + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120, headers={"Authorization": f"Bearer {serve_app['api_key']}"}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c.get("prompt_text") for c in chunks] == [whole["prompt_text"]] + [None] * (len(chunks) - 1)
+
+
 def post(serve_app, path: str, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(serve_app["base_url"] + path, json=body, timeout=120,
                       headers={"Authorization": f"Bearer {serve_app['api_key']}"}, **kwargs)
