@@ -29,6 +29,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     # a beam search's beams are chat choices, and a response has one output
     "use_beam_search": ((None, False), "use_beam_search in a response (it has one output, not n beams)"),
     "length_penalty": ((None, 1, 1.0), "length_penalty in a response (a beam search's)"),
+    # vLLM's Responses extensions
+    "enable_response_messages": ((None, False), "enable_response_messages (the response's messages are not returned)"),
+    "previous_input_messages": ((None,), "previous_input_messages (send the whole conversation as input)"),
 }
 # chat fields a response has its own spelling of, or no place for: refused by name rather than passed on
 CHAT_ONLY_FIELDS = {
@@ -40,6 +43,7 @@ CHAT_ONLY_FIELDS = {
     "logprobs": "logprobs in a response", "request_id": "request_id in a response",
     "return_token_ids": "return_token_ids in a response", "return_tokens_as_token_ids": "token ids in a response",
     "prompt_logprobs": "prompt_logprobs in a response",
+    "return_prompt_text": "return_prompt_text in a response", "stream_interval": "stream_interval in a response",
 }
 # the names the chat route knows, served or refused: what a response passes on to it
 CHAT_NAMES = {*ChatCompletionRequest.model_fields, *UNSUPPORTED_CHAT_FIELDS, *UNSUPPORTED_VLLM_FIELDS}
