@@ -214,6 +214,7 @@ MAX_CHOICES = 1024  # structured output's `choice`: each is an alternative of on
 # engine/structured_output.py sizes for this many. A schema's $refs chain without nesting its text, so the text's
 # own nesting bound does not bound them.
 MAX_SCHEMA_NODES = 10_000
+MAX_WHITESPACE_PATTERN_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,10 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     param: str = "response_format"
+    # JSON only: the whitespace JSON may hold around its punctuation, a regular expression (vLLM's whitespace_pattern,
+    # as outlines read it); None: JSON_OPTIONS' fixed ", " and ": "
+    whitespace_pattern: str | None = None
+    whitespace_param: str = "whitespace_pattern"  # the request field that set it, named in refusals
 
     def __post_init__(self) -> None:
         kinds = (self.json_schema is not None) + self.json_object + sum(
@@ -245,6 +250,24 @@ class StructuredOutput:
         if self.choice is not None and not (
                 0 < len(self.choice) <= MAX_CHOICES and all(isinstance(c, str) and c for c in self.choice)):
             raise EngineInputError(f"{self.param}: choice must be 1 to {MAX_CHOICES} non-empty strings", self.param)
+        if self.whitespace_pattern is not None:
+            self._check_whitespace_pattern()
+
+    def _check_whitespace_pattern(self) -> None:
+        param = self.whitespace_param
+        if self.json_schema is None and not self.json_object:
+            raise EngineInputError(f"{param} applies to a JSON constraint (a schema or json_object) only", param)
+        if not isinstance(self.whitespace_pattern, str) or len(self.whitespace_pattern) > MAX_WHITESPACE_PATTERN_CHARS:
+            raise EngineInputError(f"{param} must be a regular expression of at most {MAX_WHITESPACE_PATTERN_CHARS} "
+                                   "characters", param)
+
+    @property
+    def json_options(self) -> dict[str, Any]:
+        """llguidance's layout of this constraint's JSON: JSON_OPTIONS, or bare separators with the pattern's
+        whitespace around them."""
+        if self.whitespace_pattern is None:
+            return JSON_OPTIONS
+        return {"item_separator": ",", "key_separator": ":", "whitespace_pattern": self.whitespace_pattern}
 
     @property
     def key(self) -> str:
@@ -255,7 +278,8 @@ class StructuredOutput:
             return f"regex:{self.regex}"
         if self.choice is not None:
             return f"choice:{json.dumps(self.choice)}"
-        return json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else "{json_object}"
+        key = json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else "{json_object}"
+        return key if self.whitespace_pattern is None else f"{key}\nwhitespace:{self.whitespace_pattern}"
 
 
 def count_objects(value: Any) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from engine.errors import EngineInputError
 from engine.sampler import GrammarMask
-from engine.sampling_params import JSON_OPTIONS, StructuredOutput
+from engine.sampling_params import StructuredOutput
 
 # Bounds on what one grammar may cost (llguidance's defaults allow 14 ms of lexer work per token and row): a client's
 # schema taxes every step its request is in, so each mask step gets about 3 ms at most. verbose_errors off: error
@@ -77,6 +77,8 @@ class _Grammars:
     def _validate(self, spec: StructuredOutput):
         from llguidance import LLMatcher, LLParserLimits
 
+        if spec.whitespace_pattern is not None:
+            self._check_whitespace(spec)
         try:
             grammar = _grammar(spec)
         except ValueError as exc:
@@ -86,6 +88,19 @@ class _Grammars:
         if is_error:
             raise EngineInputError(f"{spec.param}: the constraint cannot be compiled: {_short(messages[0])}", spec.param)
         return grammar
+
+    def _check_whitespace(self, spec: StructuredOutput) -> None:
+        """A whitespace pattern that is no regular expression, refused by its own field."""
+        from llguidance import LLMatcher
+
+        try:
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(
+                LLMatcher.grammar_from_regex(spec.whitespace_pattern), self._tokenizer())
+        except ValueError as exc:
+            is_error, messages = True, [str(exc)]
+        if is_error:
+            raise EngineInputError(f"{spec.whitespace_param}: not a valid regular expression ({_short(messages[0])})",
+                                   spec.whitespace_param)
 
     def _tokenizer(self):
         with self._tokenizer_lock:
@@ -206,7 +221,7 @@ def _grammar(spec: StructuredOutput) -> str:
         return LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":  # one rule of literal alternatives; JSON's string escapes are Lark's
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-    return LLMatcher.grammar_from_json_schema(spec.json_schema or ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+    return LLMatcher.grammar_from_json_schema(spec.json_schema or ANY_JSON_OBJECT, defaults=spec.json_options)
 
 
 def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> GrammarMask | None:

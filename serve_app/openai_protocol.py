@@ -3,6 +3,7 @@ outside OpenAI's API (and vLLM's extensions we implement) are ignored."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,7 +15,8 @@ from engine.chat import ChatOptions
 from engine.errors import EngineInputError
 from engine.repetition import MAX_COUNT, MAX_PATTERN_SIZE, RepetitionDetection
 from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
-                                    MIN_REPETITION_PENALTY, StructuredOutput, count_objects)
+                                    MAX_WHITESPACE_PATTERN_CHARS, MIN_REPETITION_PENALTY, StructuredOutput,
+                                    count_objects)
 
 MAX_TOOLS = 128  # OpenAI's own bound
 MAX_PROMPTS = 64  # a completion's batch of prompts; each prompt's n choices are engine requests of their own
@@ -121,15 +123,16 @@ class StructuredOutputs(BaseModel):
     disable_fallback: bool = False  # nothing falls back: a constraint that cannot compile is a 400
     disable_any_whitespace: bool = False  # JSON is always written without free whitespace (", " and ": ")
     disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
+    whitespace_pattern: str | None = Field(default=None, max_length=MAX_WHITESPACE_PATTERN_CHARS, description=(
+        "JSON only: the whitespace allowed around its punctuation, a regular expression (default: ', ' and ': ')"))
     structural_tag: str | None = None
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "StructuredOutputs":
-        for field, why in (("whitespace_pattern", "a JSON whitespace pattern (JSON is written with ', ' and ': ')"),
-                           ("structural_tag", "structural tags")):
-            if getattr(self, field) is not None:
-                raise refuse(f"structured_outputs.{field}", why)
+        if self.structural_tag is not None:
+            raise refuse("structured_outputs.structural_tag", "structural tags")
+        if self.whitespace_pattern is not None and self.disable_any_whitespace:
+            raise refuse("structured_outputs.whitespace_pattern", "a whitespace pattern beside disable_any_whitespace")
         given = [name for name in ("json", "regex", "choice", "grammar") if self.given(name)]
         if len(given) + bool(self.json_object) != 1:
             raise PydanticCustomError("constraint", "give exactly one of json, regex, choice, grammar or json_object, "
@@ -143,7 +146,14 @@ class StructuredOutputs(BaseModel):
         kind = next(name for name in ("json", "regex", "choice", "grammar") if self.given(name)) \
             if not self.json_object else "json_object"
         value = getattr(self, "json_" if kind == "json" else kind)
-        return constraint(kind, value, f"structured_outputs.{kind}", self.disable_additional_properties)
+        spec = constraint(kind, value, f"structured_outputs.{kind}", self.disable_additional_properties)
+        return spec if self.whitespace_pattern is None else with_whitespace(spec, self.whitespace_pattern,
+                                                                           "structured_outputs.whitespace_pattern")
+
+
+def with_whitespace(spec: StructuredOutput, pattern: str, param: str) -> StructuredOutput:
+    """`spec` with vLLM's whitespace pattern; EngineInputError naming `param` where it is no JSON constraint."""
+    return replace(spec, whitespace_pattern=pattern, whitespace_param=param)
 
 
 def constraint(kind: str, value: Any, param: str, closed: bool = False) -> StructuredOutput:
@@ -176,7 +186,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "logits_processors": ((None, []), "custom logits processors"),
     "kv_transfer_params": ((None,), "disaggregated prefill (kv_transfer_params)"),
     "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
-    "guided_whitespace_pattern": ((None,), "a JSON whitespace pattern (JSON is written with ', ' and ': ')"),
     "prompt_embeds": ((None,), "prompt embeddings"),
     "mm_processor_kwargs": ((None,), "multimodal input"),
     "documents": ((None,), "documents for a RAG chat template"),
@@ -272,6 +281,8 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
     guided_grammar: str | None = Constraint
     guided_decoding_backend: str | None = None  # one backend here, llguidance: the choice changes nothing
+    guided_whitespace_pattern: str | None = Field(default=None, max_length=MAX_WHITESPACE_PATTERN_CHARS,
+                                                  description="structured_outputs.whitespace_pattern, for any JSON one")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep the prompt's last k tokens")
@@ -389,12 +400,21 @@ class SamplingFields(BaseModel):
 
     def structured_output(self) -> StructuredOutput | None:
         """The output constraint the request sets, if any (forced tool calls are the chat endpoint's)."""
-        for field, key in GUIDED_FIELDS.items():
-            if getattr(self, field) is not None:
-                return constraint(key, getattr(self, field), field)
-        if self.structured_outputs is not None:
-            return self.structured_outputs.structured_output()
-        return self.response_format.structured_output() if self.response_format else None
+        spec = next((constraint(key, getattr(self, field), field) for field, key in GUIDED_FIELDS.items()
+                     if getattr(self, field) is not None), None)
+        if spec is None and self.structured_outputs is not None:
+            spec = self.structured_outputs.structured_output()
+        if spec is None and self.response_format is not None:
+            spec = self.response_format.structured_output()
+        return self._with_guided_whitespace(spec)
+
+    def _with_guided_whitespace(self, spec: StructuredOutput | None) -> StructuredOutput | None:
+        if self.guided_whitespace_pattern is None:
+            return spec
+        if spec is None or spec.whitespace_pattern is not None:
+            raise EngineInputError("guided_whitespace_pattern needs one JSON constraint without a pattern of its own",
+                                   "guided_whitespace_pattern")
+        return with_whitespace(spec, self.guided_whitespace_pattern, "guided_whitespace_pattern")
 
     @field_validator("logit_bias")
     @classmethod

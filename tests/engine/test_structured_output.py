@@ -37,6 +37,34 @@ def test_sampled_output_keeps_to_the_schema_too(llm32):
             assert out.text.startswith('{"name": "')
 
 
+@pytest.mark.parametrize("pattern,between", [("\n", "\n"), ("", ""), ("[ ]?", " ")])
+def test_a_whitespace_pattern_sets_the_whitespace_around_jsons_punctuation(llm32, pattern, between):
+    """vLLM's whitespace_pattern (outlines' reading): the whitespace JSON may hold around its punctuation. Greedy
+    output, so each reply is the model's most likely JSON within the pattern: it parses, and any whitespace outside
+    its strings is the pattern's."""
+    spec = StructuredOutput(json_schema=PERSON, whitespace_pattern=pattern)
+    (out,) = llm32.chat([ASK], SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec), use_tqdm=False)
+    value = json.loads(out.text)
+    assert set(value) == {"name", "age"} and out.finish_reason == "stop", out.text
+    outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', out.text)
+    assert set(re.findall(r"\s", outside_strings)) <= set(between) and between in outside_strings, out.text
+    if pattern == "":
+        assert out.text == json.dumps(value, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("spec,param", [
+    (dict(json_schema=PERSON, whitespace_pattern="(", whitespace_param="structured_outputs.whitespace_pattern"),
+     "structured_outputs.whitespace_pattern"),
+    (dict(regex="[a-z]+", whitespace_pattern=" ", whitespace_param="guided_whitespace_pattern"),
+     "guided_whitespace_pattern"),
+    (dict(json_object=True, whitespace_pattern="x" * 300), "whitespace_pattern"),
+])
+def test_a_whitespace_pattern_that_cannot_apply_is_refused_by_its_own_field(llm32, spec, param):
+    with pytest.raises(EngineInputError) as refused:
+        llm32.add_request("bad-whitespace", "hi", SamplingParams(structured_output=StructuredOutput(**spec)))
+    assert refused.value.param == param
+
+
 @pytest.mark.parametrize("fmt", tool_calls.FORMATS)
 def test_a_forced_tool_call_has_arguments_valid_for_its_function(llm32, fmt):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {

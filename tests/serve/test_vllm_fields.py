@@ -60,6 +60,22 @@ def test_a_json_schema_as_text_with_additional_properties_disabled_gives_exactly
     assert {"name", "age"} <= set(json.loads(reply.message.content))
 
 
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"json": PERSON, "whitespace_pattern": "\n"}},
+                                   {"guided_json": PERSON, "guided_whitespace_pattern": "\n"},
+                                   {"response_format": {"type": "json_schema",
+                                                        "json_schema": {"name": "p", "schema": PERSON}},
+                                    "guided_whitespace_pattern": "\n"}],
+                         ids=["structured-outputs", "guided", "response-format"])
+def test_a_whitespace_pattern_lays_out_the_json_reply(client, extra):
+    """vLLM's whitespace_pattern: newlines around the JSON's punctuation, none of the default ', ' and ': '."""
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Invent a person."}],
+                                           max_tokens=80, temperature=0.0, extra_body=extra).choices[0]
+    text = reply.message.content
+    assert reply.finish_reason == "stop" and isinstance(json.loads(text), dict), text
+    outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    assert "\n" in outside_strings and " " not in outside_strings, text
+
+
 @pytest.mark.parametrize("extra,field", [
     ({"structured_outputs": {"choices": ["a", "b"]}}, "structured_outputs.choices"),  # vLLM's docs' own misspelling
     ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs.regex"),
@@ -70,8 +86,17 @@ def test_a_json_schema_as_text_with_additional_properties_disabled_gives_exactly
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_choice": ["a"], "tools": [{"type": "function", "function": {"name": "f"}}]}, "guided_choice"),
     ({"request_id": "two words"}, "request_id"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": "("}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " ", "disable_any_whitespace": True}},
+     "structured_outputs.whitespace_pattern"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " "}, "guided_whitespace_pattern": "\n"},
+     "guided_whitespace_pattern"),
 ], ids=["misspelled-key", "bad-regex", "bad-json", "bad-gbnf", "two-kinds", "structural-tag", "two-fields",
-        "with-tools", "bad-request-id"])
+        "with-tools", "bad-request-id", "bad-whitespace", "whitespace-in-a-regex", "whitespace-beside-disable",
+        "guided-whitespace-alone", "guided-whitespace-in-a-regex", "two-whitespace-patterns"])
 def test_a_constraint_that_cannot_be_is_a_400_naming_its_field(client, extra, field):
     with pytest.raises(openai.BadRequestError) as refused:
         chat(client, **extra)

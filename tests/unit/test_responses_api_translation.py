@@ -139,8 +139,8 @@ def test_vllms_sampling_extensions_pass_to_the_chat_request_and_chat_only_fields
                                             "nonsense": 1}).chat_request()
     assert (chat.top_k, chat.seed, chat.ignore_eos) == (3, 7, True)
     with pytest.raises(OpenAIError) as refused:
-        ResponsesRequest.model_validate({"input": "hi", "guided_whitespace_pattern": " "}).chat_request()
-    assert refused.value.param == "guided_whitespace_pattern"
+        ResponsesRequest.model_validate({"input": "hi", "watermarking": True}).chat_request()
+    assert refused.value.param == "watermarking"
     with pytest.raises(ValidationError, match="use_beam_search in a response"):
         ResponsesRequest.model_validate({"input": "hi", "use_beam_search": True})
     assert ResponsesRequest.model_validate({"input": "hi", "use_beam_search": False}).chat_request().n == 1
