@@ -13,7 +13,7 @@ from serve_app.security import REQUEST_ID
 
 from engine.chat import ChatOptions
 from engine.errors import EngineInputError
-from engine.repetition import MAX_COUNT, MAX_PATTERN_SIZE, RepetitionDetection
+from engine.repetition import MAX_COUNT, MAX_PATTERN_SIZE, PARAMS, RepetitionDetection
 from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
                                     MAX_WHITESPACE_PATTERN_CHARS, MIN_REPETITION_PENALTY, StructuredOutput,
                                     count_objects)
@@ -348,7 +348,7 @@ class SamplingFields(BaseModel):
     def repetition_rule(self) -> RepetitionDetection | None:
         """vLLM's repetition detection in either spelling, as the engine's rule."""
         if self.repetition_detection is not None:
-            return self.repetition_detection.rule({field: f"repetition_detection.{field}" for field in FLAT_NAMES})
+            return self.repetition_detection.rule(PARAMS)  # the engine's names are the object's
         flat = RepetitionRule(**{field: getattr(self, name) for field, name in FLAT_NAMES.items()})
         return flat.rule(FLAT_NAMES)
 
