@@ -62,6 +62,7 @@ class CoreOutput(msgspec.Struct):
     error_param: str | None = None  # the request field at fault, when the error is the request's own (a 400)
     prompt_ranks: list[int | None] | None = None  # with prompt_logprobs: each prompt token's rank
     embedding: bytes | None = None  # an embedding request's result: float32 values, little-endian
+    stop_token_id: int | None = None  # with finish_reason "stop": the stop token id that ended it (not an honoured EOS)
 
 
 class MetricUpdate(msgspec.Struct, array_like=True):

@@ -171,19 +171,8 @@ class OutputProcessor:
                 token_ids and token_ids[-1] in self.eos_token_ids)):
             self._add_text(request, request.detokenizer.flush())  # an EOS ends the text as it is
         if out.finish_reason is not None:
-            request.stop_reason = self._core_stop_reason(request, out.finish_reason)
+            request.stop_reason = "repetition_detected" if out.finish_reason == "repetition" else out.stop_token_id
         return out.finish_reason, out.error
-
-    def _core_stop_reason(self, request: RequestText, finish_reason: str) -> int | str | None:
-        """vLLM's stop_reason for an end the core chose: its stop token (an EOS the request honours comes first, as
-        vLLM checks it first), or the repetition."""
-        if finish_reason == "repetition":
-            return "repetition_detected"
-        if finish_reason == "stop" and request.token_ids:
-            last, params = request.token_ids[-1], request.params
-            if last in params.stop_token_ids and (params.ignore_eos or last not in self.eos_token_ids):
-                return last
-        return None
 
     @staticmethod
     def _add_text(request: RequestText, chunk: str) -> str | None:

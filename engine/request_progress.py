@@ -35,6 +35,7 @@ class RequestProgress:
     draws_from_logits_alone: bool = False
     greedy: bool = False  # params.greedy, once: a step of rows that fly (async scheduling), all greedy, is an argmax
     repetition: RepetitionRuns | None = None  # params.repetition_detection's runs at the output's end
+    stop_token_id: int | None = None  # the stop token id that ended the output, where no honoured EOS did (vLLM's)
 
 
 def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
@@ -78,9 +79,12 @@ class StopChecker:
     def _stop_reason(self, seq: Sequence, token: int, repeated: bool) -> str | None:
         """vLLM's order: a stop token, then the length, then (from min_tokens on) a repeated pattern."""
         params, progress, produced = seq.params, seq.runtime, seq.num_output_tokens
-        if produced >= params.min_tokens and (
-                (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
-            return "stop"
+        if produced >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return "stop"  # vLLM checks EOS first: no stop_reason even where it is a stop token id too
+            if token in params.stop_token_ids:
+                progress.stop_token_id = token
+                return "stop"
         if progress.grammar is not None and progress.grammar.is_stopped():
             return "stop"  # the structure is complete: only EOS could follow
         if produced >= progress.max_tokens or len(seq.token_ids) >= self.max_model_len:
@@ -109,7 +113,7 @@ def core_output(seq: Sequence) -> CoreOutput:
     progress.sent_tokens += len(new_tokens)
     return CoreOutput(seq.request_id, new_tokens, seq.metrics, seq.finish_reason, progress.error, new_logprobs,
                       seq.num_cached_tokens or 0, progress.prompt_logprobs if first else None, progress.error_param,
-                      progress.prompt_ranks if first else None, progress.embedding)
+                      progress.prompt_ranks if first else None, progress.embedding, progress.stop_token_id)
 
 
 def _grammar_failure(seq: Sequence, error: str) -> EngineInputError:

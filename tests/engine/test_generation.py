@@ -39,6 +39,19 @@ def test_stop_token_ids_stop_on_that_token(llm32):
     target = free.token_ids[5]
     out = llm32.chat([CHAT], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[target]), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+    assert out.stop_reason == target and free.stop_reason is None
+
+
+def test_the_core_names_the_stop_token_that_ended_an_output_and_never_an_eos_it_honours(llm32):
+    """vLLM's stop_reason comes from the core's own stop check: an EOS listed in stop_token_ids is still an EOS
+    (checked first, no reason) unless ignore_eos."""
+    question = [[{"role": "user", "content": "What is the capital of France?"}]]
+    eos = llm32.chat(question, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0].token_ids[-1]
+    listed = SamplingParams(max_tokens=64, temperature=0.0, stop_token_ids=[eos])
+    ignored = SamplingParams(max_tokens=64, temperature=0.0, stop_token_ids=[eos], ignore_eos=True)
+    honoured, by_id = llm32.chat(question * 2, [listed, ignored], use_tqdm=False)
+    assert (honoured.finish_reason, honoured.stop_reason) == ("stop", None)
+    assert (by_id.finish_reason, by_id.stop_reason, by_id.token_ids[-1]) == ("stop", eos, eos)
 
 
 def test_same_seed_same_text_and_other_seed_other_text(llm32):

@@ -111,21 +111,21 @@ def test_eos_ends_the_text_as_it_is_and_length_flushes_a_partial_character(token
     assert out.text.startswith("hi ") and len(out.text) > 3  # the partial bytes, as a replacement character
 
 
-@pytest.mark.parametrize("params,tokens,reason,stop_reason", [
-    (dict(stop=["world", "STOP", "wor"]), "Hello world. STOP", "stop", "wor"),  # the one that cut the text
-    (dict(stop=["STOP"], include_stop_str_in_output=True), "Hello STOP here", "stop", "STOP"),
-    (dict(stop_token_ids=[7]), [5, 7], "stop", 7),
-    (dict(stop_token_ids=[EOS]), [5, EOS], "stop", None),  # an EOS the request honours: vLLM checks it first
-    (dict(stop_token_ids=[EOS], ignore_eos=True), [5, EOS], "stop", EOS),
-    (dict(), [5, EOS], "stop", None),
-    (dict(stop_token_ids=[7]), [7, 5], "stop", None),  # a grammar's end: the last token is no stop token
-    (dict(stop_token_ids=[7]), [5, 7], "length", None),
-    (dict(), [5, 6], "repetition", "repetition_detected"),
-    (dict(stop=["STOP"]), "no stop here", None, None),
+@pytest.mark.parametrize("params,tokens,reason,stop_token,stop_reason", [
+    (dict(stop=["world", "STOP", "wor"]), "Hello world. STOP", "stop", None, "wor"),  # the one that cut the text
+    (dict(stop=["STOP"], include_stop_str_in_output=True), "Hello STOP here", "stop", None, "STOP"),
+    (dict(stop_token_ids=[7]), [5, 7], "stop", 7, 7),  # the core's stop check names the token
+    (dict(stop_token_ids=[EOS]), [5, EOS], "stop", None, None),  # the core's: an EOS the request honours
+    (dict(), [5, 6], "length", None, None),
+    (dict(), [5, 6], "repetition", None, "repetition_detected"),
+    (dict(stop=["STOP"]), "no stop here", None, None, None),
 ])
-def test_the_output_names_what_stopped_it_as_vllms_stop_reason(tokenizer, params, tokens, reason, stop_reason):
+def test_the_output_names_what_stopped_it_as_vllms_stop_reason(tokenizer, params, tokens, reason, stop_token,
+                                                                stop_reason):
     ids = ids_of(tokenizer, tokens) if isinstance(tokens, str) else tokens
-    (out,), _ = start(tokenizer, **params).process([core(ids, None if isinstance(tokens, str) else reason)])
+    finish = None if isinstance(tokens, str) else reason
+    out = CoreOutput("r", ids, RequestMetrics(0.0), finish, stop_token_id=stop_token)
+    (out,), _ = start(tokenizer, **params).process([out])
     assert (out.finish_reason, out.stop_reason) == (reason, stop_reason)
 
 
