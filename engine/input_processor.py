@@ -175,7 +175,8 @@ class InputProcessor:
             raise EngineInputError(f"allowed_token_ids: at most {vocab} ids, the vocabulary's size", "allowed_token_ids")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("constrain_after", params.constrain_after or ())):
+                          ("constrain_after", params.constrain_after or ()),
+                          ("logprob_token_ids", params.logprob_token_ids or ())):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise EngineInputError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})", name)

@@ -324,25 +324,48 @@ class Sampler:
 
     @staticmethod
     def _pick_logprobs(logprobs, tokens, params) -> list[dict[int, float] | None]:
-        """The chosen token's logprob and the top ones, for the rows that asked: one gather and one topk for the
-        batch, three host transfers in all, not one per row."""
+        """The chosen token's logprob and the top ones (or the ids a row lists in logprob_token_ids, in its order),
+        for the rows that asked: one gather and one topk for the batch, a few host transfers in all, not one per
+        row."""
         picked: list[dict[int, float] | None] = [None] * len(tokens)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] >= 0]
         if logprobs is None or not rows:
             return picked
         index = torch.tensor(rows, device=logprobs.device)
         chosen = logprobs[index, torch.tensor([tokens[i] for i in rows], device=logprobs.device)].tolist()
-        k = min(max(params[i].logprobs for i in rows), logprobs.shape[-1])
+        listed = _listed_logprobs(logprobs, rows, [params[i].logprob_token_ids for i in rows])
+        k = min(max((params[i].logprobs for i in rows if params[i].logprob_token_ids is None), default=0),
+                logprobs.shape[-1])
         top_ids, top_values = [[]] * len(rows), [[]] * len(rows)
         if k:
             top = logprobs[index].topk(k, dim=-1)
             top_ids, top_values = top.indices.tolist(), top.values.tolist()
         for j, row in enumerate(rows):
             entry = {tokens[row]: chosen[j]}
-            wanted = params[row].logprobs
-            entry.update(zip(top_ids[j][:wanted], top_values[j][:wanted]))
+            ids = params[row].logprob_token_ids
+            if ids is not None:
+                entry.update(zip(ids, listed[j]))
+            else:
+                wanted = params[row].logprobs
+                entry.update(zip(top_ids[j][:wanted], top_values[j][:wanted]))
             picked[row] = entry
         return picked
+
+
+def _listed_logprobs(logprobs: torch.Tensor, rows: list[int], lists: list[list[int] | None]) -> list[list[float]]:
+    """For each of `rows` (of the batch), the logprobs of the ids its logprob_token_ids lists (`lists`, aligned with
+    `rows`; empty where none): one gather over the rows that list some, their lists padded to the longest."""
+    listing = [j for j, ids in enumerate(lists) if ids]
+    values: list[list[float]] = [[] for _ in lists]
+    if not listing:
+        return values
+    width = max(len(lists[j]) for j in listing)
+    padded = torch.tensor([lists[j] + [0] * (width - len(lists[j])) for j in listing], device=logprobs.device)
+    batch_rows = torch.tensor([rows[j] for j in listing], device=logprobs.device)
+    gathered = logprobs[batch_rows[:, None], padded].tolist()
+    for j, row in zip(listing, gathered):
+        values[j] = row[: len(lists[j])]
+    return values
 
 
 def nucleus_threshold_by_candidates(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stream holds back this much text to catch a stop string split across deltas
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own bound
 MAX_BAD_WORDS = 128
 # tokens in all of a request's bad words (each as written and after a space): the bans are checked every step
@@ -76,6 +77,9 @@ class SamplingParams:
     constrain_after: tuple[int, ...] | None = None
     # end the output, finish reason "repetition", once it ends in a pattern repeated so (vLLM's repetition_detection)
     repetition_detection: RepetitionDetection | None = None
+    # vLLM's: each output token's logprobs are these ids' (beside the chosen token's), not the most likely ones; sets
+    # logprobs to 0 where it is None
+    logprob_token_ids: list[int] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +88,8 @@ class SamplingParams:
         self.validate()
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            self.logprobs = 0  # the sampler's logprob rows are those that set logprobs
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +150,7 @@ class SamplingParams:
         if self.repetition_detection is not None and not isinstance(self.repetition_detection, RepetitionDetection):
             bad("repetition_detection must be a RepetitionDetection", "repetition_detection")
         self._validate_logit_bias(bad)
+        self._validate_logprob_token_ids(bad)
         self._validate_stops(bad)
         self._validate_vocabulary_limits(bad)
 
@@ -171,6 +178,17 @@ class SamplingParams:
                 bad(f"logit_bias keys must be token ids (non-negative integers), got {token!r}", "logit_bias")
             if not _is_number(bias) or not low <= bias <= high:
                 bad(f"logit_bias values must be numbers in [{low:g}, {high:g}], got {bias!r} for token {token}", "logit_bias")
+
+    def _validate_logprob_token_ids(self, bad) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS or not all(
+                _is_int(t) and t >= 0 for t in ids):
+            bad(f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids", "logprob_token_ids")
+        if self.logprobs not in (None, 0, len(ids)):  # vLLM's rule; 0 is what None becomes
+            bad(f"logprobs and logprob_token_ids: the listed ids take the top ones' place, so logprobs must be unset "
+                f"or {len(ids)}, got {self.logprobs}", "logprob_token_ids")
 
     def _validate_vocabulary_limits(self, bad) -> None:
         if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list) or not all(

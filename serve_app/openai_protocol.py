@@ -14,7 +14,8 @@ from serve_app.security import REQUEST_ID
 from engine.chat import ChatOptions
 from engine.errors import EngineInputError
 from engine.repetition import MAX_COUNT, MAX_PATTERN_SIZE, PARAMS, RepetitionDetection
-from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
+from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROB_TOKEN_IDS, MAX_LOGPROBS,
+                                    MAX_REPETITION_PENALTY, MAX_SCHEMA_NODES,
                                     MAX_WHITESPACE_PATTERN_CHARS, MIN_REPETITION_PENALTY, StructuredOutput,
                                     count_objects)
 
@@ -193,7 +194,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
                                "else the model's)"),
     "thinking_token_budget": ((None, -1), "a thinking token budget (a model thinks as its chat template says)"),
     "watermarking": ((None, False), "watermarking"),
-    "logprob_token_ids": ((None,), "logprobs of chosen token ids (top_logprobs gives the most likely ones)"),
     "return_token_offsets": ((None, False), "token offsets (vLLM gives them on its render endpoints only)"),
     "media_io_kwargs": ((None,), "multimodal input"),
     "mm_payload": ((None, "tensors"), "multimodal payloads (vLLM's render endpoints)"),
@@ -297,6 +297,9 @@ class SamplingFields(BaseModel):
                                         description="each prompt token's logprob and rank, with this many alternatives")
     priority: int = Field(default=0, description="under the engine's priority policy, a lower value is served first")
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": text cannot say every token
+    logprob_token_ids: list[int] | None = Field(default=None, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+        "each output token's top logprobs are these ids' (and the chosen one's), in this order; needs logprobs, "
+        "and takes the place of top_logprobs"))
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
                                                 description="the only tokens the output may hold")
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS,
@@ -327,6 +330,9 @@ class SamplingFields(BaseModel):
             raise PydanticCustomError("stream", "stream_options needs stream: true", {"path": "stream_options"})
         if self.prompt_logprobs is not None and self.stream:
             raise refuse("prompt_logprobs", "prompt_logprobs in a stream (as vLLM: score the prompt without streaming)")
+        if self.logprob_token_ids and self.num_logprobs is None:  # vLLM's rule
+            raise PydanticCustomError("logprobs", "logprob_token_ids needs logprobs (true in a chat, a count in a "
+                                      "completion)", {"path": "logprob_token_ids"})
         if self.prompt_logprobs is not None and self.scores_prompt_by_echo:
             raise refuse("prompt_logprobs", "prompt_logprobs beside echo with logprobs (each scores the prompt: "
                          "ask for one)")
@@ -375,6 +381,7 @@ class SamplingFields(BaseModel):
                 "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
                 "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
                 "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens > 0,
+                "logprob_token_ids": bool(self.logprob_token_ids),  # before logprobs, which it needs: named first
                 "logprobs": self.num_logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
                 "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
                 "repetition_detection": self.detects_repetition}

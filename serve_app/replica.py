@@ -273,7 +273,8 @@ class EngineReplica:
         logprobs, top_logprobs = None, job.params.logprobs
         if top_logprobs is not None and last.logprobs is not None:
             texts = _token_id_text if job.return_tokens_as_token_ids else self._token_texts
-            logprobs = [_token_logprob(texts, token, entry, top_logprobs)
+            listed = job.params.logprob_token_ids is not None
+            logprobs = [_token_logprob(texts, token, entry, top_logprobs, listed=listed)
                         for token, entry in zip(last.token_ids_since(sent_tokens), last.logprobs[sent_tokens:])]
         thinking = None
         if job.reasoning is not None and last.finished:
@@ -349,11 +350,12 @@ def _token_id_text(token: int) -> tuple[str, list[int]]:
 
 
 def _token_logprob(texts: Callable[[int], tuple[str, list[int]]], token: int, entry: dict[int, float], top: int,
-                   rank: int | None = None) -> TokenLogprob:
+                   rank: int | None = None, listed: bool = False) -> TokenLogprob:
     """The engine's entry holds the chosen token and the top ones; OpenAI wants them apart, the top ranked. With
-    the token's `rank` (a prompt token's), the ids too, as vLLM's prompt_logprobs keys them."""
+    the token's `rank` (a prompt token's), the ids too, as vLLM's prompt_logprobs keys them. An entry of `listed`
+    ids (logprob_token_ids) is shown whole, in its order: the chosen token, then the request's ids (vLLM's)."""
     text, raw = texts(token)
-    best = sorted(entry.items(), key=lambda item: -item[1])[:top]
+    best = list(entry.items()) if listed else sorted(entry.items(), key=lambda item: -item[1])[:top]
     ranked = []
     for other, logprob in best:
         other_text, other_raw = texts(other)

@@ -60,9 +60,10 @@ def workload(seed: int, adapters: tuple = ()) -> list[tuple[str, list[int], Samp
     """(request id, prompt, params, add_request's other arguments): generations with random features, some of them
     the siblings an n > 1 request's choices are (the prompt of the request before, which they name as leader), some
     under a tenant's cache salt, and embedding requests among them; with `adapters`, each generation names one of
-    them or none (a sibling its leader's), and some generations a repetition rule, each drawn apart so the rest of the
-    mix is the same."""
+    them or none (a sibling its leader's), and some generations a repetition rule or logprob_token_ids, each drawn
+    apart so the rest of the mix is the same."""
     rng, pick_adapter, rules = random.Random(seed), random.Random(-seed).choice, random.Random(seed + 11)
+    labels = random.Random(seed + 13)
     prefixes = [[rng.randrange(FIRST_PLAIN_ID, VOCAB) for _ in range(rng.randint(20, 60))] for _ in range(3)]
     requests = []
     for i in range(REQUESTS):
@@ -79,11 +80,13 @@ def workload(seed: int, adapters: tuple = ()) -> list[tuple[str, list[int], Samp
         elif adapters:
             extra["lora_name"] = pick_adapter([None, *(adapter.name for adapter in adapters)])
         rule = RepetitionDetection(rules.randint(1, 4), 1, rules.randint(2, 3)) if rules.random() < 0.35 else None
-        requests.append((f"r{i}", prompt, random_params(rng, rule), extra))
+        listed = labels.sample(range(VOCAB), labels.randint(1, 5)) if labels.random() < 0.15 else None
+        requests.append((f"r{i}", prompt, random_params(rng, rule, listed), extra))
     return requests
 
 
-def random_params(rng: random.Random, repetition: RepetitionDetection | None) -> SamplingParams:
+def random_params(rng: random.Random, repetition: RepetitionDetection | None,
+                  logprob_token_ids: list[int] | None = None) -> SamplingParams:
     chance = rng.random
     max_tokens = rng.randint(1, 40)
     extra = {}
@@ -117,6 +120,8 @@ def random_params(rng: random.Random, repetition: RepetitionDetection | None) ->
         extra["structured_output"] = StructuredOutput(regex=rng.choice(REGEXES), param="structured_outputs")
     elif kind < 0.25:
         extra["allowed_token_ids"] = rng.sample(range(FIRST_PLAIN_ID, VOCAB), 20)
+    if logprob_token_ids is not None:
+        extra.update(logprobs=None, logprob_token_ids=logprob_token_ids)
     return SamplingParams(max_tokens=max_tokens, ignore_eos=chance() < 0.5, repetition_detection=repetition, **extra)
 
 

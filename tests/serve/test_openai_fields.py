@@ -61,11 +61,14 @@ EXAMPLES = {
     "truncation_side": {"truncate_prompt_tokens": 3, "truncation_side": "right"}, "stream_interval": {
         "stream": True, "stream_interval": 2}, "session_id": {"session_id": "chat-42"},
     "return_prompt_text": {"return_prompt_text": True}, "thinking_token_budget": {"thinking_token_budget": 16},
-    "watermarking": {"watermarking": True}, "logprob_token_ids": {"logprob_token_ids": [5]},
+    "watermarking": {"watermarking": True}, "logprob_token_ids": {
+        "chat": {"logprobs": True, "logprob_token_ids": [5, 9]}, "completions": {"logprobs": 0, "logprob_token_ids": [5]}},
     "return_token_offsets": {"return_token_offsets": True}, "media_io_kwargs": {"media_io_kwargs": {"image": {}}},
     "mm_payload": {"mm_payload": "none"}, "return_mm_kwargs": {"return_mm_kwargs": False},
     "ec_transfer_params": {"ec_transfer_params": {}}, "routed_experts_prompt_start": {"routed_experts_prompt_start": 2},
 }
+
+PER_ENDPOINT = ("logprobs", "logprob_token_ids")  # examples that differ by endpoint: {"chat": ..., "completions": ...}
 
 
 def readme_table() -> dict[str, dict[str, str]]:
@@ -91,7 +94,7 @@ CASES = [(field, endpoint, outcome) for field, row in readme_table().items() for
 
 @pytest.mark.parametrize("field,endpoint,outcome", CASES, ids=[f"{f}-{e}" for f, e, _ in CASES])
 def test_each_field_gets_its_documented_outcome(base_url, auth, field, endpoint, outcome):
-    example = EXAMPLES[field].get(endpoint, EXAMPLES[field]) if field == "logprobs" else EXAMPLES[field]
+    example = EXAMPLES[field].get(endpoint, EXAMPLES[field]) if field in PER_ENDPOINT else EXAMPLES[field]
     body = {**BASE[endpoint], **example}
     with httpx.stream("POST", base_url + PATHS[endpoint], json=body, headers=auth, timeout=120) as r:
         content = r.read().decode()

@@ -236,6 +236,40 @@ def test_token_limits_and_token_id_names_reach_the_engine_through_http(client, s
     assert refused.value.body["param"] == "allowed_token_ids", refused.value.body
 
 
+def test_logprob_token_ids_score_the_listed_tokens_at_every_position_whole_and_streamed(client, serve_app):
+    """vLLM's label scoring: each position's top_logprobs are the chosen token's and the listed ids', in that order
+    (an id listed twice or chosen shows once), the same raw logprobs the top 20 give."""
+    named = dict(max_tokens=5, logprobs=True, return_tokens_as_token_ids=True)
+    top = chat(client, top_logprobs=20, **named).choices[0].logprobs.content
+    scores = [{int(t.token.split(":")[1]): t.logprob for t in entry.top_logprobs} for entry in top]
+    chosen = [int(entry.token.split(":")[1]) for entry in top]
+    listed = [sorted(scores[0], key=scores[0].get)[0], chosen[1], sorted(scores[0], key=scores[0].get)[0]]
+    labelled = chat(client, logprob_token_ids=listed, **named).choices[0].logprobs.content
+    assert [int(e.token.split(":")[1]) for e in labelled] == chosen
+    for position, entry in enumerate(labelled):
+        ids = [int(t.token.split(":")[1]) for t in entry.top_logprobs]
+        assert ids == list(dict.fromkeys([chosen[position], *listed])), (position, ids)
+        for token, t in zip(ids, entry.top_logprobs):
+            if token in scores[position]:
+                assert t.logprob == pytest.approx(scores[position][token], abs=1e-4), (position, token)
+    stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0.0,
+                                       logprobs=3, stream=True, extra_body={"logprob_token_ids": listed[:2]})
+    tops = [top for chunk in stream for c in chunk.choices if c.logprobs for top in c.logprobs.top_logprobs]
+    assert len(tops) == 4 and all(1 < len(top) <= 3 for top in tops), tops
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"logprob_token_ids": [5]}, "logprob_token_ids"),  # without logprobs
+    ({"logprobs": True, "logprob_token_ids": [10 ** 7]}, "logprob_token_ids"),
+    ({"logprobs": True, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),
+    ({"logprobs": True, "logprob_token_ids": [5], "use_beam_search": True, "n": 2}, "logprob_token_ids"),
+])
+def test_logprob_token_ids_that_cannot_be_are_400s_naming_the_field(serve_app, extra, field):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2, **extra}
+    refused = post(serve_app, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+
+
 def test_priority_reaches_the_engine_whose_fcfs_policy_serves_only_0(client):
     assert chat(client, priority=0, max_tokens=2).choices[0].message.content
     with pytest.raises(openai.BadRequestError) as refused:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from engine.errors import EngineInputError
 from engine.sampler import (DRAWS_AHEAD, INVALID_TOKEN, NO_ALLOWED_TOKEN, NUCLEUS_CANDIDATES, GrammarMask, Sampler,
                             inverse_cdf, make_generator, nucleus_threshold_by_candidates)
 from engine.sampling_params import SamplingParams
@@ -168,6 +169,33 @@ def test_logprobs_are_returned_for_the_chosen_and_top_tokens():
     assert entry == pytest.approx({0: float(expected[0]), 1: float(expected[1])}, abs=1e-6)
 
 
+def test_listed_token_ids_take_the_top_ones_place_in_their_order_beside_each_rows_own_choice():
+    """vLLM's logprob_token_ids: the chosen token first, then the listed ids in the request's order (one listed
+    twice or chosen appears once), raw logprobs; in a batch with top-k rows and rows that ask for nothing."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0, logprob_token_ids=[5, 2, 7]), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprob_token_ids=[3, 3])]
+    params[3].logit_bias = {3: 50.0}  # chosen after the bias; its logprob still the model's own
+    tokens, logprobs = Sampler()(logits, params, [None] * 4, [[]] * 4)
+    expected = torch.log_softmax(logits, -1)
+    assert params[0].logprobs == 0 and tokens[3] == 3 and logprobs[2] is None
+    assert list(logprobs[0]) == list(dict.fromkeys([tokens[0], 5, 2, 7]))
+    assert logprobs[0] == pytest.approx({t: float(expected[0, t]) for t in logprobs[0]}, abs=1e-6)
+    assert len(logprobs[1]) in (2, 3) and list(logprobs[3]) == [3]
+    assert logprobs[3][3] == pytest.approx(float(expected[3, 3]), abs=1e-6)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(logprob_token_ids=[]), "1 to 128"), (dict(logprob_token_ids=[-1]), "1 to 128"),
+    (dict(logprob_token_ids=list(range(129))), "1 to 128"), (dict(logprob_token_ids=[1, 2], logprobs=3), "unset or 2"),
+])
+def test_listed_token_ids_are_refused_by_name_when_malformed(fields, message):
+    with pytest.raises(EngineInputError, match=message) as refused:
+        SamplingParams(**fields)
+    assert refused.value.param == "logprob_token_ids"
+    assert SamplingParams(logprob_token_ids=[1, 2], logprobs=2).logprobs == 2  # vLLM's way: logprobs the same count
+
+
 def test_draws_follow_the_softmax_and_mixed_batches_keep_each_rows_knobs():
     counts = torch.bincount(torch.tensor(draws(SamplingParams(temperature=1.0, seed=7), n=4000)), minlength=VOCAB)
     expected = torch.softmax(LOGITS[0], -1)
@@ -285,7 +313,6 @@ def test_a_greedy_row_ignores_its_draft_and_an_invalid_row_stays_invalid():
 
 
 def test_a_repetition_penalty_small_enough_to_overflow_the_logits_is_refused_by_name():
-    from engine.errors import EngineInputError
     with pytest.raises(EngineInputError, match="repetition_penalty") as refused:
         SamplingParams(repetition_penalty=1.7e-149).validate()
     assert refused.value.param == "repetition_penalty"
