@@ -17,8 +17,21 @@ from engine.sampling_defaults import as_params
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarChecker, GrammarCompiler
 
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptPart:
+    """One part of a prompt joined from several, as vLLM's generative scoring joins a query and an item: a text,
+    encoded alone (with the tokenizer's special tokens where `special_tokens`), or token ids as they are; `param`
+    names it in errors."""
+
+    content: str | list[int]
+    param: str
+    special_tokens: bool = False
+
+
 Messages = chat.Messages
-Prompt = Union[str, list[int], Messages]
+Prompt = Union[str, list[int], Messages, list[PromptPart]]
 MAX_CACHE_SALT_CHARS = 256
 MAX_PRIORITY = 1 << 31
 EMBEDDING_PARAMS = SamplingParams(max_tokens=None, temperature=0.0)  # an embedding request's: nothing is sampled
@@ -116,8 +129,8 @@ class InputProcessor:
 
     def tokenize(self, prompt: Prompt, tools: list[dict] | None = None,
                  options: chat.ChatOptions = chat.DEFAULT_OPTIONS) -> list[int]:
-        """Token ids of a text, token ids or chat messages (with `tools` offered to the model and the template's
-        `options`: chat only)."""
+        """Token ids of a text, token ids, chat messages (with `tools` offered to the model and the template's
+        `options`: chat only) or parts joined."""
         if isinstance(prompt, str):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
@@ -126,6 +139,8 @@ class InputProcessor:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return self._tokenize_chat(prompt, tools, options)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, PromptPart) for p in prompt):
+            return self._tokenize_parts(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise EngineInputError("prompt is empty", "prompt")
@@ -153,6 +168,20 @@ class InputProcessor:
         outside = next((t for t in token_ids if not 0 <= t < vocab), None)
         if outside is not None:
             raise EngineInputError(f"{param}: token id {outside} is outside the vocabulary [0, {vocab})", param)
+
+    def _tokenize_parts(self, parts: list[PromptPart]) -> list[int]:
+        token_ids: list[int] = []
+        for part in parts:
+            if isinstance(part.content, str):
+                self._check_length(len(part.content), part.param)
+                _check_unicode(part.content, part.param)
+                token_ids += self.tokenizer.encode(part.content, add_special_tokens=part.special_tokens)
+            else:
+                self.check_in_vocabulary(part.content, part.param)
+                token_ids += part.content
+        if not token_ids:
+            raise EngineInputError("the prompt is empty", parts[0].param)
+        return token_ids
 
     def _tokenize_chat(self, messages: Messages, tools: list[dict] | None, options: chat.ChatOptions) -> list[int]:
         messages = chat.normalize(messages)

@@ -30,8 +30,9 @@ from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                       StreamOptions, TokenizeRequest)
 from serve_app.protocol import Admitted, Delta, EmbeddingJob, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
-from serve_app import embeddings_api, responses_api, responses_api_output, score_api
+from serve_app import embeddings_api, generative_scoring_api, responses_api, responses_api_output, score_api
 from serve_app.embeddings_api import EmbeddingRequest
+from serve_app.generative_scoring_api import GenerativeScoringRequest
 from serve_app.score_api import RerankRequest, ScoreRequest
 from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
                                  usage, vllm_prompt_logprobs)
@@ -168,6 +169,29 @@ class Ingress:
                                   self.args.request_timeout_s)
         self._raise_if_refused(result)
         return result
+
+    async def generative_scoring(self, body: GenerativeScoringRequest, request: Request) -> dict:
+        """vLLM's /generative_scoring: each item's score from one greedy token's logprobs of the label tokens."""
+        request_id = body.request_id or request.state.request_id
+        lora_name, params = self._lora_name(body.model), body.sampling_params()
+        jobs = [GenerationJob(f"{request_id}-{k}", prompt, params, cache_salt=body.cache_salt, priority=body.priority,
+                              lora_name=lora_name) for k, prompt in enumerate(body.prompts())]
+        choices = [Choice(0, chat=False) for _ in jobs]
+        try:
+            results = await all_or_none([self._whole(job, [choice]) for job, choice in zip(jobs, choices)])
+        except OpenAIError as exc:
+            if exc.param != "logprob_token_ids":
+                raise
+            raise OpenAIError(exc.status, exc.message.replace("logprob_token_ids", "label_token_ids"),
+                              "label_token_ids") from None
+        scores = []
+        for choice in choices:
+            first = choice.logprobs[0]
+            listed = dict(zip(first.top_ids, (logprob for _, logprob, _ in first.top)))
+            scores.append(body.score([listed[t] for t in body.label_token_ids]))
+        return generative_scoring_api.response_body(request_id, self._model_name(body.model), scores,
+                                                    sum(admitted.prompt_tokens for admitted, _ in results),
+                                                    sum(c.completion_tokens for c in choices))
 
     # -- one request ---------------------------------------------------------------------------------
 
@@ -562,6 +586,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.post("/v2/rerank")
     async def rerank(body: RerankRequest, request: Request):
         return CompletionResponse(await ingress.rerank(body, request))
+
+    @api.post("/generative_scoring")  # vLLM's path
+    async def generative_scoring(body: GenerativeScoringRequest, request: Request):
+        return CompletionResponse(await ingress.generative_scoring(body, request))
 
     @api.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

@@ -8,6 +8,7 @@ from engine import SamplingParams
 from engine.beam_search import BeamSearchParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.engine_stats import EngineStats
+from engine.input_processor import PromptPart
 from engine.pooling_params import PoolingParams
 from serve_app.reasoning import ReasoningFormat
 
@@ -15,7 +16,7 @@ from serve_app.reasoning import ReasoningFormat
 @dataclass
 class GenerationJob:
     request_id: str
-    prompt: str | list[int] | list[dict[str, Any]]
+    prompt: str | list[int] | list[dict[str, Any]] | list[PromptPart]  # text, ids, chat messages or parts joined
     params: SamplingParams
     n: int = 1  # choices; each is its own engine request sharing the prompt's KV blocks
     cache_salt: str | None = None
@@ -88,6 +89,7 @@ class TokenLogprob:
     bytes: list[int]
     top: list[tuple[str, float, list[int]]] = field(default_factory=list)  # most likely first
     # a prompt token's, for vLLM's prompt_logprobs (keyed by token id, with ranks): its id, its rank, the top's ids
+    # (top_ids also where the top are the ids a request listed, logprob_token_ids)
     token_id: int | None = None
     rank: int | None = None
     top_ids: list[int] | None = None

@@ -360,7 +360,7 @@ def _token_logprob(texts: Callable[[int], tuple[str, list[int]]], token: int, en
     for other, logprob in best:
         other_text, other_raw = texts(other)
         ranked.append((other_text, logprob, other_raw))
-    score = TokenLogprob(text, entry[token], raw, ranked)
+    score = TokenLogprob(text, entry[token], raw, ranked, top_ids=[other for other, _ in best] if listed else None)
     if rank is not None:
         score.token_id, score.rank, score.top_ids = token, rank, [other for other, _ in best]
     return score
