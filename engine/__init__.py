@@ -10,7 +10,7 @@ _HOMES = {
     "EngineOverloadedError": "engine.errors", "LLM": "engine.llm", "LLMEngine": "engine.llm_engine",
     "RequestOutput": "engine.output_processor", "PoolingParams": "engine.pooling_params",
     "RepetitionDetection": "engine.repetition", "SamplingParams": "engine.sampling_params",
-    "StructuredOutput": "engine.sampling_params",
+    "StructuredOutput": "engine.sampling_params", "ThinkingBudget": "engine.thinking_budget",
 }
 __all__ = sorted(_HOMES)
 

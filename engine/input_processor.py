@@ -205,7 +205,8 @@ class InputProcessor:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("constrain_after", params.constrain_after or ()),
-                          ("logprob_token_ids", params.logprob_token_ids or ())):
+                          ("logprob_token_ids", params.logprob_token_ids or ()),
+                          ("thinking_token_budget", _markers(params.thinking_budget))):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise EngineInputError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})", name)
@@ -268,6 +269,10 @@ class InputProcessor:
                 f"prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
                 f"together they exceed the model's context of {context}", "max_tokens")
         return params.max_tokens
+
+
+def _markers(budget) -> tuple[int, ...]:
+    return budget.start + budget.end if budget is not None else ()
 
 
 def _check_unicode(text: str, param: str) -> None:

@@ -414,13 +414,17 @@ class LLMEngine:
 
     def _draft_room(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
-        the same step (penalties, a grammar, min_tokens, bad words), and never past max_tokens or the context."""
+        the same step (penalties, a grammar, min_tokens, bad words, a thinking section's countdown), and never past
+        max_tokens or the context."""
         params, state = seq.params, seq.runtime
         if (seq.pooling is not None or seq.num_uncomputed_tokens != 1 or params.has_penalties
                 or state.grammar is not None or state.pending_grammar is not None
-                or seq.num_output_tokens < params.min_tokens or params.bad_words_token_ids):
+                or seq.num_output_tokens < params.min_tokens or params.bad_words_token_ids
+                or (state.thinking is not None and state.thinking.active)):
             return 0
-        return min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        room = min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        # a section opened by drafts cannot spend its budget within the step: no token of it needs forcing
+        return room if state.thinking is None else min(room, params.thinking_budget.tokens)
 
     @staticmethod
     def _num_prompt_tokens_in(batch: ScheduledBatch) -> int:

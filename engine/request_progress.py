@@ -13,6 +13,7 @@ from engine.errors import EngineInputError
 from engine.repetition import RepetitionRuns
 from engine.sampler import UniformStream, make_generator
 from engine.sequence import Sequence
+from engine.thinking_budget import ThinkingCountdown
 
 
 @dataclass
@@ -36,6 +37,7 @@ class RequestProgress:
     greedy: bool = False  # params.greedy, once: a step of rows that fly (async scheduling), all greedy, is an argmax
     repetition: RepetitionRuns | None = None  # params.repetition_detection's runs at the output's end
     stop_token_id: int | None = None  # the stop token id that ended the output, where no honoured EOS did (vLLM's)
+    thinking: ThinkingCountdown | None = None  # params.thinking_budget's countdown
 
 
 def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
@@ -54,6 +56,7 @@ def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
         greedy=params.greedy,
         repetition=RepetitionRuns.within(params.repetition_detection, request.max_tokens)
         if params.repetition_detection else None,
+        thinking=ThinkingCountdown(params.thinking_budget, request.prompt_token_ids) if params.thinking_budget else None,
     )
 
 
@@ -73,6 +76,8 @@ class StopChecker:
             raise _grammar_failure(seq, progress.grammar.get_error())
         if progress.pending_grammar is not None:
             _start_grammar_after(seq, progress)
+        if progress.thinking is not None:
+            progress.thinking.append(seq.token_ids)
         repeated = progress.repetition is not None and progress.repetition.append(seq.token_ids, seq.num_prompt_tokens)
         return self._stop_reason(seq, token, repeated)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.errors import EngineInputError
 from engine.repetition import RepetitionDetection
+from engine.thinking_budget import ThinkingBudget
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stream holds back this much text to catch a stop string split across deltas
@@ -80,6 +81,8 @@ class SamplingParams:
     # vLLM's: each output token's logprobs are these ids' (beside the chosen token's), not the most likely ones; sets
     # logprobs to 0 where it is None
     logprob_token_ids: list[int] | None = None
+    # vLLM's thinking_token_budget: a thinking section's end marker is forced once the section holds this many tokens
+    thinking_budget: ThinkingBudget | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +152,8 @@ class SamplingParams:
             bad("structured_output must be a StructuredOutput", "response_format")
         if self.repetition_detection is not None and not isinstance(self.repetition_detection, RepetitionDetection):
             bad("repetition_detection must be a RepetitionDetection", "repetition_detection")
+        if self.thinking_budget is not None and not isinstance(self.thinking_budget, ThinkingBudget):
+            bad("thinking_budget must be a ThinkingBudget", "thinking_token_budget")
         self._validate_logit_bias(bad)
         self._validate_logprob_token_ids(bad)
         self._validate_stops(bad)
@@ -158,9 +163,9 @@ class SamplingParams:
     def draws_from_logits_alone(self) -> bool:
         """Whether a token's draw needs nothing on the host but the row's logits (async scheduling may launch the
         step after it first): no penalties (the history), logprobs, logit bias, restricted vocabulary, prompt
-        logprobs."""
+        logprobs, thinking budget (the token it forces follows the one before)."""
         return not (self.has_penalties or self.logprobs is not None or self.logit_bias or self.restricts_vocabulary
-                    or self.prompt_logprobs is not None)
+                    or self.prompt_logprobs is not None or self.thinking_budget is not None)
 
     @property
     def restricts_vocabulary(self) -> bool:

@@ -35,7 +35,7 @@ class StepSampler:
             prompt_token_ids=per_row([seq.prompt_token_ids for seq in seqs]) if any(
                 p.repetition_penalty != 1.0 for p in params) else None,
             banned_token_ids=per_row([self.banned(seq) for seq in seqs]),
-            allowed_token_ids=per_row([seq.runtime.allowed_token_ids for seq in seqs]),
+            allowed_token_ids=per_row([_allowed(seq) for seq in seqs]),
             grammar=allowed_tokens(per_row([seq.runtime.grammar for seq in seqs]), step.logits.shape[1],
                                    step.logits.device),
             draft_token_ids=[d for seq in seqs for d in drafts.get(seq.request_id, []) + [None]] if drafts else None,
@@ -67,6 +67,13 @@ class StepSampler:
         entries, ranks = self.sampler.prompt_logprobs(part.logits, targets, seq.params.prompt_logprobs)
         seq.runtime.prompt_logprobs[first : first + len(entries)] = entries
         seq.runtime.prompt_ranks[first : first + len(ranks)] = ranks
+
+
+def _allowed(seq: Sequence) -> torch.Tensor | None:
+    """The only tokens `seq` may produce next: the one its thinking budget forces, else its allowed_token_ids."""
+    thinking = seq.runtime.thinking
+    forced = thinking.forced() if thinking is not None else None
+    return seq.runtime.allowed_token_ids if forced is None else torch.tensor([forced])
 
 
 def _bad_words_next(bad_words: tuple[tuple[int, ...], ...], token_ids: list[int], num_prompt_tokens: int) -> set[int]:

@@ -12,7 +12,7 @@ from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError
 from serve_app.openai_protocol import ChatCompletionRequest, SamplingFields, TokenizeRequest
 from serve_app.protocol import GenerationJob
-from serve_app.reasoning import ReasoningFormat
+from serve_app.reasoning import PARSERS, ReasoningFormat, ThinkingLimit
 
 
 def generation_job(request_id: str, body: SamplingFields, prompt, args: AppArgs, lora_name: str | None,
@@ -32,9 +32,19 @@ def generation_job(request_id: str, body: SamplingFields, prompt, args: AppArgs,
                              return_token_ids=body.return_token_ids,
                              return_tokens_as_token_ids=body.return_tokens_as_token_ids, priority=body.priority,
                              lora_name=lora_name, reasoning=reasoning, beam=beam_search_params(body),
-                             defaulted=defaulted_fields(body))
+                             defaulted=defaulted_fields(body), thinking=thinking_limit(body, args))
     except EngineInputError as exc:
         raise OpenAIError(400, str(exc), exc.param)
+
+
+def thinking_limit(body: SamplingFields, args: AppArgs) -> ThinkingLimit | None:
+    """vLLM's thinking_token_budget, whose sections the app's reasoning parser marks (vLLM's needs one too)."""
+    if body.thinking_budget is None:
+        return None
+    if args.reasoning_parser is None:
+        raise EngineInputError("thinking_token_budget needs the app's reasoning_parser: it names the markers of a "
+                               "thinking section", "thinking_token_budget")
+    return ThinkingLimit(body.thinking_budget, PARSERS[args.reasoning_parser])
 
 
 def beam_search_params(body: SamplingFields) -> BeamSearchParams | None:

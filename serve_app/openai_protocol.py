@@ -192,7 +192,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "documents": ((None,), "documents for a RAG chat template"),
     "chat_template": ((None,), "a chat template per request (the server's is used: engine_config.chat_template, "
                                "else the model's)"),
-    "thinking_token_budget": ((None, -1), "a thinking token budget (a model thinks as its chat template says)"),
     "watermarking": ((None, False), "watermarking"),
     "return_token_offsets": ((None, False), "token offsets (vLLM gives them on its render endpoints only)"),
     "media_io_kwargs": ((None,), "multimodal input"),
@@ -297,6 +296,9 @@ class SamplingFields(BaseModel):
                                         description="each prompt token's logprob and rank, with this many alternatives")
     priority: int = Field(default=0, description="under the engine's priority policy, a lower value is served first")
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": text cannot say every token
+    thinking_token_budget: int | None = Field(default=None, ge=-1, lt=1 << 31, description=(
+        "at most this many tokens in each thinking section (the app's reasoning_parser's markers), whose end is then "
+        "forced; -1 or None: unlimited"))
     logprob_token_ids: list[int] | None = Field(default=None, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
         "each output token's top logprobs are these ids' (and the chosen one's), in this order; needs logprobs, "
         "and takes the place of top_logprobs"))
@@ -384,7 +386,7 @@ class SamplingFields(BaseModel):
                 "logprob_token_ids": bool(self.logprob_token_ids),  # before logprobs, which it needs: named first
                 "logprobs": self.num_logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
                 "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
-                "repetition_detection": self.detects_repetition}
+                "repetition_detection": self.detects_repetition, "thinking_token_budget": self.thinking_budget is not None}
         return [field for field, asked in asks.items() if asked] + self.constraint_fields
 
     @model_validator(mode="after")
@@ -429,6 +431,11 @@ class SamplingFields(BaseModel):
         if value is not None and not all(key.isascii() and key.isdigit() for key in value):  # "²" is a digit to Python
             raise PydanticCustomError("token_id", "keys must be token ids, written as strings of digits", {})
         return value
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """thinking_token_budget, None where unlimited (-1, as vLLM reads it)."""
+        return None if self.thinking_token_budget in (None, -1) else self.thinking_token_budget
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -10,7 +10,7 @@ from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.engine_stats import EngineStats
 from engine.input_processor import PromptPart
 from engine.pooling_params import PoolingParams
-from serve_app.reasoning import ReasoningFormat
+from serve_app.reasoning import ReasoningFormat, ThinkingLimit
 
 
 @dataclass
@@ -32,6 +32,7 @@ class GenerationJob:
     priority: int = 0  # the engine's priority policy serves a lower value first; its fcfs policy refuses any other
     lora_name: str | None = None  # the LoRA adapter the request named as its model; None: the base model
     reasoning: ReasoningFormat | None = None  # the app's reasoning parser, for a chat: its constraint waits for the end
+    thinking: ThinkingLimit | None = None  # vLLM's thinking_token_budget, with the app's reasoning parser's markers
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: the n choices are the best beams of width n
     # the sampling fields the request left unset, which the model's defaults fill (engine/sampling_defaults.py)
     defaulted: frozenset[str] = frozenset()

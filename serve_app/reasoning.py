@@ -19,6 +19,14 @@ class ReasoningFormat:
     opened_by_template: bool
 
 
+@dataclass(frozen=True)
+class ThinkingLimit:
+    """vLLM's thinking_token_budget: at most `tokens` tokens in each thinking section, bounded by `fmt`'s markers."""
+
+    tokens: int
+    fmt: ReasoningFormat
+
+
 PARSERS: dict[str, ReasoningFormat] = {
     "deepseek_r1": ReasoningFormat("<think>", "</think>", opened_by_template=True),
     "qwen3": ReasoningFormat("<think>", "</think>", opened_by_template=False),

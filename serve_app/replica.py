@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, EngineDeadError, EngineInputError, EngineOverloadedError, SamplingParams
+from engine import (AsyncLLMEngine, EngineDeadError, EngineInputError, EngineOverloadedError, SamplingParams,
+                    ThinkingBudget)
 from engine.async_engine import RequestStream
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.metrics import StepMetrics
@@ -24,7 +25,7 @@ from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
 from serve_app.protocol import Admitted, Delta, EmbeddingJob, Embeddings, GenerationJob, Placement, Refused, ReplicaStats, TokenLogprob, Tokens
 from serve_app.metrics import RaySink
-from serve_app.reasoning import ReasoningFormat, reasoning_token_count
+from serve_app.reasoning import ReasoningFormat, ThinkingLimit, reasoning_token_count
 
 if TYPE_CHECKING:
     from engine.output_processor import RequestOutput
@@ -83,6 +84,7 @@ class EngineReplica:
             inputs = self.frontend.inputs
             params = inputs.with_defaults(job.params, job.defaulted)
             token_ids = inputs.truncated(inputs.tokenize(job.prompt, job.tools, job.chat), params)
+            params = self._with_thinking_limit(job.thinking, params)
             return token_ids, self._constraint_after_reasoning(job.reasoning, params, token_ids)
         except Exception as exc:
             return _refusal(exc, job)
@@ -91,15 +93,27 @@ class EngineReplica:
                                     token_ids: list[int]) -> SamplingParams:
         """With a reasoning parser, a constraint (response_format, a forced tool call) waits for the end of the
         reasoning, as vLLM's does: unless the prompt already closed it (Qwen3's template with thinking off)."""
-        tokenizer = self.frontend.inputs.tokenizer
-        if fmt is not None and fmt not in self._reasoning_markers:  # for the usage's reasoning tokens
-            self._reasoning_markers[fmt] = tuple(tokenizer.encode(m, add_special_tokens=False) for m in (fmt.start, fmt.end))
+        if fmt is not None:
+            self._markers(fmt)  # here, on the tokenizer's thread, for the usage's reasoning tokens later
         if fmt is None or params.structured_output is None:
             return params
-        text = tokenizer.decode(token_ids)
+        text = self.frontend.inputs.tokenizer.decode(token_ids)
         if text.rfind(fmt.end) > text.rfind(fmt.start):
             return params
-        return dataclasses.replace(params, constrain_after=tuple(self._reasoning_markers[fmt][1]))
+        return dataclasses.replace(params, constrain_after=tuple(self._markers(fmt)[1]))
+
+    def _with_thinking_limit(self, limit: ThinkingLimit | None, params: SamplingParams) -> SamplingParams:
+        if limit is None:
+            return params
+        start, end = self._markers(limit.fmt)
+        return dataclasses.replace(params, thinking_budget=ThinkingBudget(limit.tokens, tuple(start), tuple(end)))
+
+    def _markers(self, fmt: ReasoningFormat) -> tuple[list[int], list[int]]:
+        """The token ids of a reasoning format's start and end markers, tokenized once."""
+        if fmt not in self._reasoning_markers:
+            encode = self.frontend.inputs.tokenizer.encode
+            self._reasoning_markers[fmt] = tuple(encode(m, add_special_tokens=False) for m in (fmt.start, fmt.end))
+        return self._reasoning_markers[fmt]
 
     def _enqueue(self, job: GenerationJob, tokenized: tuple[list[int], SamplingParams] | Refused
                  ) -> tuple[list[RequestStream], list[int]] | Refused:
@@ -213,7 +227,7 @@ class EngineReplica:
         for index, beam in enumerate(found.sequences):
             ids = beam.output_token_ids(len(prompt_ids))
             thinking = None if job.reasoning is None else \
-                reasoning_token_count(ids, job.reasoning, *self._reasoning_markers[job.reasoning])
+                reasoning_token_count(ids, job.reasoning, *self._markers(job.reasoning))
             yield Delta(index, beam.text, len(ids), beam.finish_reason, cached_tokens=found.num_cached_tokens,
                         token_ids=ids if job.return_token_ids else None, reasoning_tokens=thinking)
 
@@ -278,7 +292,7 @@ class EngineReplica:
                         for token, entry in zip(last.token_ids_since(sent_tokens), last.logprobs[sent_tokens:])]
         thinking = None
         if job.reasoning is not None and last.finished:
-            thinking = reasoning_token_count(last.token_ids, job.reasoning, *self._reasoning_markers[job.reasoning])
+            thinking = reasoning_token_count(last.token_ids, job.reasoning, *self._markers(job.reasoning))
         return Delta(index, text, last.num_tokens, last.finish_reason, last.error, logprobs, last.num_cached_tokens,
                      error_param=last.error_param,
                      token_ids=list(last.token_ids_since(sent_tokens)) if job.return_token_ids else None,

@@ -60,7 +60,7 @@ EXAMPLES = {
     "include_reasoning": {"include_reasoning": False},
     "truncation_side": {"truncate_prompt_tokens": 3, "truncation_side": "right"}, "stream_interval": {
         "stream": True, "stream_interval": 2}, "session_id": {"session_id": "chat-42"},
-    "return_prompt_text": {"return_prompt_text": True}, "thinking_token_budget": {"thinking_token_budget": 16},
+    "return_prompt_text": {"return_prompt_text": True}, "thinking_token_budget": {"thinking_token_budget": -1},
     "watermarking": {"watermarking": True}, "logprob_token_ids": {
         "chat": {"logprobs": True, "logprob_token_ids": [5, 9]}, "completions": {"logprobs": 0, "logprob_token_ids": [5]}},
     "return_token_offsets": {"return_token_offsets": True}, "media_io_kwargs": {"media_io_kwargs": {"image": {}}},

@@ -83,3 +83,39 @@ def test_a_constraint_waits_for_the_end_of_the_thinking(app, auth):
             "structured_outputs": {"regex": "[0-9]{3}"}}
     message = post(app, auth, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert message["content"] is None and len(message["reasoning"]) > 20 and not re.search("[0-9]{3}", message["reasoning"])
+
+
+def test_a_thinking_budget_forces_the_end_of_the_thinking_then_the_constraint_binds_the_answer(app, auth):
+    """vLLM's thinking_token_budget: the section the prompt opened (a `<think>` the template's turn markers follow,
+    which count; after a newline, as SmolLM2 tokenizes the marker alone the same) gets the budget; then `</think>` is forced, the reasoning parser splits there and the waiting
+    constraint binds the answer. A completion is counted the same, by the app's parser's markers."""
+    body = {"messages": [{"role": "user", "content": "Describe the sea.\n<think>"}], "max_tokens": 24,
+            "temperature": 0, "structured_outputs": {"regex": "[0-9]{3}"}, "thinking_token_budget": 9}
+    message = post(app, auth, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert re.fullmatch("[0-9]{3}", message["content"]) and message["reasoning"], message
+    free = post(app, auth, "/v1/chat/completions", {**body, "thinking_token_budget": -1}).json()["choices"][0]
+    assert free["message"]["content"] is None and free["message"]["reasoning"].startswith(message["reasoning"])
+    tokenize = lambda text: post(app, auth, "/tokenize", {"prompt": text}).json()["tokens"]  # noqa: E731
+    end = tokenize("</think>")
+    completion = {"prompt": "Think about the sea:\n<think>\n", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                  "return_token_ids": True}
+    for budget in (0, 4):
+        ids = post(app, auth, "/v1/completions", {**completion, "thinking_token_budget": budget}).json()[
+            "choices"][0]["token_ids"]
+        left = max(0, budget - 1)  # the prompt's "\n" is the section's first token
+        assert ids[left:left + len(end)] == end, (budget, ids)
+
+
+@pytest.mark.parametrize("extra", [{"thinking_token_budget": -2}, {"thinking_token_budget": 4, "use_beam_search": True,
+                                                                   "n": 2}])
+def test_a_thinking_budget_that_cannot_be_is_a_400_naming_it(app, auth, extra):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    refused = post(app, auth, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget", refused.text
+
+
+def test_without_a_reasoning_parser_a_thinking_budget_is_a_400_naming_it(serve_app, auth):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "thinking_token_budget": 4}
+    refused = post(serve_app["base_url"], auth, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget", refused.text
+    assert "reasoning_parser" in refused.json()["error"]["message"]

@@ -1,12 +1,12 @@
 """StepSampler: each logits row gets its own sequence's inputs (drafts add rows; bans hold until min_tokens)."""
-from types import SimpleNamespace
-
 import torch
 
 from engine.model_runner import StepLogits
+from engine.request_progress import RequestProgress
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.step_sampler import StepSampler
+from engine.thinking_budget import ThinkingBudget, ThinkingCountdown
 
 EOS, STOP, VOCAB = 7, 5, 16
 
@@ -15,7 +15,8 @@ def sequence(request_id: str, params: SamplingParams, outputs: list[int] = ()) -
     seq = Sequence(request_id, [1, 2, 3], params)
     seq.token_ids += outputs
     allowed = None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids)
-    seq.runtime = SimpleNamespace(generator=None, grammar=None, allowed_token_ids=allowed)  # greedy: nothing drawn
+    thinking = ThinkingCountdown(params.thinking_budget, seq.token_ids) if params.thinking_budget else None
+    seq.runtime = RequestProgress(None, params.max_tokens, allowed_token_ids=allowed, thinking=thinking)  # greedy
     return seq
 
 
@@ -70,3 +71,17 @@ def test_allowed_token_ids_limit_a_row_and_not_its_batch_mates():
                       logits_preferring([3, 4, 6], [3, 4, 6]), [1, 1], [])
     tokens, _ = StepSampler({EOS})(step, {})
     assert tokens == [4, 3]
+
+
+def test_a_spent_thinking_budget_forces_its_end_marker_in_its_own_row_only():
+    """The prompt [1, 2, 3] opened a section at 2 (marker (2,)) holding one token: a budget of 1 is spent, so the
+    end marker's first token (11) is the only one allowed, whatever the logits prefer; a row without one keeps its
+    argmax, and so does one whose allowed_token_ids the budget does not touch yet."""
+    spent = SamplingParams(temperature=0.0, max_tokens=8, thinking_budget=ThinkingBudget(1, (2,), (11, 12)))
+    room = SamplingParams(temperature=0.0, max_tokens=8, thinking_budget=ThinkingBudget(5, (2,), (11, 12)),
+                          allowed_token_ids=[3, 4])
+    seqs = [sequence("spent", spent), sequence("free", SamplingParams(temperature=0.0, max_tokens=8)),
+            sequence("room", room)]
+    step = StepLogits(seqs, logits_preferring([9, 11], [9, 11], [9, 4, 3]), [1, 1, 1], [])
+    tokens, _ = StepSampler({EOS})(step, {})
+    assert tokens == [11, 9, 4]
