@@ -13,22 +13,10 @@ from engine.config import EngineConfig
 from engine.core_messages import EngineRequest, ModelLimits
 from engine.errors import EngineInputError
 from engine.pooling_params import PoolingParams
+from engine.prompt_part import PromptPart
 from engine.sampling_defaults import as_params
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarChecker, GrammarCompiler
-
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptPart:
-    """One part of a prompt joined from several, as vLLM's generative scoring joins a query and an item: a text,
-    encoded alone (with the tokenizer's special tokens where `special_tokens`), or token ids as they are; `param`
-    names it in errors."""
-
-    content: str | list[int]
-    param: str
-    special_tokens: bool = False
-
 
 Messages = chat.Messages
 Prompt = Union[str, list[int], Messages, list[PromptPart]]

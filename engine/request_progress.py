@@ -56,7 +56,8 @@ def new_progress(request: EngineRequest, grammar: Any) -> RequestProgress:
         greedy=params.greedy,
         repetition=RepetitionRuns.within(params.repetition_detection, request.max_tokens)
         if params.repetition_detection else None,
-        thinking=ThinkingCountdown(params.thinking_budget, request.prompt_token_ids) if params.thinking_budget else None,
+        thinking=ThinkingCountdown(params.thinking_budget, request.prompt_token_ids)
+        if params.thinking_budget else None,
     )
 
 

@@ -8,12 +8,14 @@ import numpy as np
 from engine.errors import EngineInputError
 
 
-def check_pairs(firsts: int, seconds: int) -> None:
+def check_pairs(firsts: int, seconds: int, names: tuple[str, str] = ("text_1", "text_2")) -> None:
+    """One first text against each second, or as many of each, pair by pair; `names`: the sides' names in errors."""
+    first, second = names
     if firsts == 0 or seconds == 0:
-        raise EngineInputError("text_1 and text_2 each need a text", "text_1" if firsts == 0 else "text_2")
+        raise EngineInputError(f"{first} and {second} each need a text", first if firsts == 0 else second)
     if firsts > 1 and firsts != seconds:
-        raise EngineInputError(f"text_1 has {firsts} texts and text_2 {seconds}: give text_1 one text, or as many as "
-                               "text_2", "text_1")
+        raise EngineInputError(f"{first} has {firsts} texts and {second} {seconds}: give {first} one text, or as "
+                               f"many as {second}", first)
 
 
 def cosine_scores(vectors: list[bytes], firsts: int) -> list[float]:

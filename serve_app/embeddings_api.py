@@ -32,6 +32,8 @@ class EmbeddingRequest(BaseModel):
     endianness: Literal["native", "little", "big"] = "native"
     request_id: str | None = Field(default=None, pattern=REQUEST_ID.pattern, min_length=1, max_length=128)
     priority: int = 0
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
+                                   description="prefix-cache blocks are shared only with the same salt")
 
     @model_validator(mode="before")
     @classmethod
@@ -42,6 +44,10 @@ class EmbeddingRequest(BaseModel):
         refused = {
             "messages": "chat messages as an embedding's input (send the text as input)",
             "mm_processor_kwargs": "multimodal inputs", "padding": "padding (no model here needs it)",
+            # vLLM's chat-embedding fields, which apply to messages only
+            **{field: "chat options for an embedding (its input is text or token ids, not messages)" for field in
+               ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                "media_io_kwargs")},
         }
         for field, why in refused.items():
             if data.get(field) not in (None, "do_not_pad" if field == "padding" else None):

@@ -10,9 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
-from engine.input_processor import PromptPart
+from engine.prompt_part import PromptPart
 from engine.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams
+from serve_app.errors import OpenAIError
 from serve_app.openai_protocol import MAX_PROMPTS, check_unicode
+from serve_app.protocol import TokenLogprob
 from serve_app.security import REQUEST_ID
 
 
@@ -54,6 +56,19 @@ class GenerativeScoringRequest(BaseModel):
             return math.exp(label_logprobs[0])
         top = max(label_logprobs)
         return math.exp(label_logprobs[0] - top) / sum(math.exp(lp - top) for lp in label_logprobs)
+
+
+def label_logprobs(first: TokenLogprob, labels: list[int]) -> list[float]:
+    """The labels' logprobs, in the request's order, from its one token's entry (whose top are the listed ids)."""
+    listed = dict(zip(first.top_ids, (logprob for _, logprob, _ in first.top)))
+    return [listed[label] for label in labels]
+
+
+def renamed(error: OpenAIError) -> OpenAIError:
+    """The engine's refusal of logprob_token_ids is one of label_token_ids, as the request spells them."""
+    if error.param != "logprob_token_ids":
+        return error
+    return OpenAIError(error.status, error.message.replace("logprob_token_ids", "label_token_ids"), "label_token_ids")
 
 
 def response_body(request_id: str, model: str, scores: list[float], prompt_tokens: int, completion_tokens: int) -> dict:

@@ -137,32 +137,35 @@ class Ingress:
     async def embed(self, body: EmbeddingRequest, request: Request) -> dict:
         """OpenAI's /v1/embeddings: each input's embedding from the model (or the adapter `model` names)."""
         request_id = body.request_id or request.state.request_id
-        result = await self._embedded(request_id, body.model, body.inputs, None, body.pooling_params, body.priority)
+        result = await self._embedded(request_id, body.model, body.inputs, None, body.pooling_params, body.priority,
+                                      body.cache_salt)
         return embeddings_api.response_body(request_id, self._model_name(body.model), result.vectors,
                                             result.prompt_tokens, body.encoding_format, body.endianness)
 
     async def score(self, body: ScoreRequest, request: Request) -> dict:
         """vLLM's /v1/score: each text pair's cosine similarity of embeddings."""
-        request_id = request.state.request_id
-        result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority)
+        request_id = body.request_id or request.state.request_id
+        result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority,
+                                      body.cache_salt)
         return score_api.score_body(request_id, self._model_name(body.model), cosine_scores(
             result.vectors, len(body.firsts)), result.prompt_tokens)
 
     async def rerank(self, body: RerankRequest, request: Request) -> dict:
         """vLLM's /v1/rerank (Cohere's and Jina's shape): documents by their similarity to the query, best first."""
-        request_id = request.state.request_id
-        result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority)
+        request_id = body.request_id or request.state.request_id
+        result = await self._embedded(request_id, body.model, *body.texts(), body.pooling_params, body.priority,
+                                      body.cache_salt)
         return score_api.rerank_body(request_id, self._model_name(body.model), body,
                                      cosine_scores(result.vectors, 1), result.prompt_tokens)
 
     async def _embedded(self, request_id: str, model: str | None, inputs: list, sources: list | None,
-                        pooling: Callable[[], PoolingParams], priority: int):
+                        pooling: Callable[[], PoolingParams], priority: int, cache_salt: str | None):
         """The embeddings of `inputs` from the model (or the adapter `model` names), in order; `sources`: each
         input's field and name in errors, where the route calls them otherwise than /v1/embeddings; `pooling`: the
         body's parameters, made here, where an error in them is the client's 400."""
         lora_name = self._lora_name(model)
         try:
-            job = EmbeddingJob(request_id, inputs, pooling(), priority, lora_name, sources)
+            job = EmbeddingJob(request_id, inputs, pooling(), priority, lora_name, sources, cache_salt)
         except EngineInputError as exc:
             raise OpenAIError(400, str(exc), exc.param)
         result = await self._call(self._retrying_lost_replicas(lambda: self.replica.embed(job)),
@@ -180,15 +183,9 @@ class Ingress:
         try:
             results = await all_or_none([self._whole(job, [choice]) for job, choice in zip(jobs, choices)])
         except OpenAIError as exc:
-            if exc.param != "logprob_token_ids":
-                raise
-            raise OpenAIError(exc.status, exc.message.replace("logprob_token_ids", "label_token_ids"),
-                              "label_token_ids") from None
-        scores = []
-        for choice in choices:
-            first = choice.logprobs[0]
-            listed = dict(zip(first.top_ids, (logprob for _, logprob, _ in first.top)))
-            scores.append(body.score([listed[t] for t in body.label_token_ids]))
+            raise generative_scoring_api.renamed(exc) from None
+        labels = body.label_token_ids
+        scores = [body.score(generative_scoring_api.label_logprobs(c.logprobs[0], labels)) for c in choices]
         return generative_scoring_api.response_body(request_id, self._model_name(body.model), scores,
                                                     sum(admitted.prompt_tokens for admitted, _ in results),
                                                     sum(c.completion_tokens for c in choices))

@@ -8,7 +8,7 @@ from engine import SamplingParams
 from engine.beam_search import BeamSearchParams
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.engine_stats import EngineStats
-from engine.input_processor import PromptPart
+from engine.prompt_part import PromptPart
 from engine.pooling_params import PoolingParams
 from serve_app.reasoning import ReasoningFormat, ThinkingLimit
 
@@ -50,6 +50,7 @@ class EmbeddingJob:
     # each input's field and name in errors, where they are not the embeddings API's ("input", "input i"): e.g.
     # ("documents", "documents 3") for the rerank route
     sources: list[tuple[str, str]] | None = None
+    cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt (vLLM's field)
 
 
 @dataclass

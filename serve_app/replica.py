@@ -243,7 +243,8 @@ class EngineReplica:
         async def one(ids: list[int]) -> bytes:
             async with window:
                 stream = self.frontend.add_request(f"{job.request_id}#{uuid.uuid4().hex[:12]}", ids, final_only=True,
-                                                   priority=job.priority, lora_name=job.lora_name, pooling=job.pooling)
+                                                   priority=job.priority, lora_name=job.lora_name, pooling=job.pooling,
+                                                   cache_salt=job.cache_salt)
                 try:
                     return (await stream.final()).embedding_f32
                 finally:

@@ -44,6 +44,7 @@ CHAT_ONLY_FIELDS = {
     "return_token_ids": "return_token_ids in a response", "return_tokens_as_token_ids": "token ids in a response",
     "prompt_logprobs": "prompt_logprobs in a response",
     "return_prompt_text": "return_prompt_text in a response", "stream_interval": "stream_interval in a response",
+    "logprob_token_ids": "logprob_token_ids in a response (it has no logprobs)",
 }
 # the names the chat route knows, served or refused: what a response passes on to it
 CHAT_NAMES = {*ChatCompletionRequest.model_fields, *UNSUPPORTED_CHAT_FIELDS, *UNSUPPORTED_VLLM_FIELDS}

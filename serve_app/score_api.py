@@ -14,6 +14,21 @@ from engine.pooling_params import PoolingParams
 from engine.scoring import check_pairs
 from serve_app.embeddings_api import MAX_INPUTS
 from serve_app.openai_protocol import check_unicode, refuse
+from serve_app.security import REQUEST_ID
+
+
+# vLLM's fields for a cross-encoder's chat template and inputs: field -> (the values that ask for nothing, why refused)
+CROSS_ENCODER_FIELDS: dict[str, tuple[tuple, str]] = {
+    "instruction": ((None,), "an instruction for a cross-encoder's chat template (scores here are cosine similarities "
+                             "of embeddings)"),
+    "chat_template_kwargs": ((None, {}), "chat template variables (scores here are cosine similarities of embeddings)"),
+    "max_tokens_per_query": ((None, 0), "per-query truncation (truncate_prompt_tokens bounds each text)"),
+    "max_tokens_per_doc": ((None, 0), "per-document truncation (truncate_prompt_tokens bounds each text)"),
+    "padding": ((None, "do_not_pad"), "padding (no model here needs it)"),
+    "truncation_side": ((None, "left"), "truncation_side right (truncate_prompt_tokens keeps each text's end)"),
+}
+# vLLM's spellings of a score request's two sides: (first, second), text_1 and text_2 the oldest
+SCORE_SPELLINGS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 
 
 class _PairRequest(BaseModel):
@@ -23,6 +38,10 @@ class _PairRequest(BaseModel):
     model: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep each text's last k tokens")
     priority: int = 0
+    request_id: str | None = Field(default=None, pattern=REQUEST_ID.pattern, description="the response's id")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
+                                   description="prefix-cache blocks are shared only with the same salt")
+    user: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -35,6 +54,9 @@ class _PairRequest(BaseModel):
         for field in ("use_activation", "activation", "softmax"):
             if data.get(field) is False:
                 raise refuse(field, f"{field} false (a cosine similarity of embeddings has no activation to leave out)")
+        for field, (unset, why) in CROSS_ENCODER_FIELDS.items():
+            if data.get(field) not in unset:
+                raise refuse(field, why)
         return data
 
     def pooling_params(self) -> PoolingParams:
@@ -50,36 +72,56 @@ class _PairRequest(BaseModel):
 
 
 class ScoreRequest(_PairRequest):
-    """text_1 against text_2: one against each of many, or pair by pair where both are lists of one length."""
-    text_1: str | list[str]
-    text_2: str | list[str]
+    """The first side against the second: one text against each of many, or pair by pair where both are lists of one
+    length. The sides are text_1 and text_2, or as vLLM 0.32 spells them also queries and documents, queries and
+    items, or data_1 and data_2: one spelling."""
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
 
     @model_validator(mode="after")
     def _pairs(self) -> "ScoreRequest":
+        present = {side for pair in SCORE_SPELLINGS for side in pair if getattr(self, side) is not None}
+        if present not in [set(pair) for pair in SCORE_SPELLINGS]:
+            names = "; ".join(" and ".join(pair) for pair in SCORE_SPELLINGS)
+            raise PydanticCustomError("texts", "the two sides to score, in one spelling ({names}), got {given}",
+                                      {"names": names, "given": ", ".join(sorted(present)) or "none",
+                                       "path": sorted(present)[0] if present else "text_1"})
+        first_name, second_name = self.sides
         first, second = self.firsts, self.seconds
-        self._check_texts("text_1", first)
-        self._check_texts("text_2", second)
+        self._check_texts(first_name, first)
+        self._check_texts(second_name, second)
         try:
-            check_pairs(len(first), len(second))
+            check_pairs(len(first), len(second), self.sides)
         except EngineInputError as exc:
             raise PydanticCustomError("texts", str(exc), {"path": exc.param}) from None
         if len(first) + len(second) > MAX_INPUTS:
             raise PydanticCustomError("texts", "at most {limit} texts in one request, got {count}",
-                                      {"limit": MAX_INPUTS, "count": len(first) + len(second), "path": "text_2"})
+                                      {"limit": MAX_INPUTS, "count": len(first) + len(second), "path": second_name})
         return self
 
+    @property
+    def sides(self) -> tuple[str, str]:
+        """The names of the two sides as the request spells them."""
+        return next(pair for pair in SCORE_SPELLINGS if getattr(self, pair[1]) is not None)
+
     def texts(self) -> tuple[list[str], list[tuple[str, str]]]:
-        """Every text to embed, text_1's first, with each one's field and name for errors."""
-        firsts, seconds = self.firsts, self.seconds
-        return firsts + seconds, _named("text_1", firsts, self.text_1) + _named("text_2", seconds, self.text_2)
+        """Every text to embed, the first side's first, with each one's field and name for errors."""
+        (first_name, second_name), firsts, seconds = self.sides, self.firsts, self.seconds
+        return firsts + seconds, (_named(first_name, firsts, getattr(self, first_name))
+                                  + _named(second_name, seconds, getattr(self, second_name)))
 
     @property
     def firsts(self) -> list[str]:
-        return [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        return _as_list(getattr(self, self.sides[0]))
 
     @property
     def seconds(self) -> list[str]:
-        return [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        return _as_list(getattr(self, self.sides[1]))
 
 
 class RerankRequest(_PairRequest):
@@ -101,6 +143,10 @@ class RerankRequest(_PairRequest):
     def texts(self) -> tuple[list[str], list[tuple[str, str]]]:
         """The query, then the documents, with each one's field and name for errors."""
         return [self.query, *self.documents], [("query", "query"), *_named("documents", self.documents, self.documents)]
+
+
+def _as_list(texts: str | list[str]) -> list[str]:
+    return [texts] if isinstance(texts, str) else list(texts)
 
 
 def _named(field: str, texts: list[str], given: str | list[str]) -> list[tuple[str, str]]:

@@ -106,7 +106,10 @@ EXAMPLES = {
     "request_id": {"request_id": "mine-2"}, "priority": {"priority": 0}, "embed_dtype": {"embed_dtype": "bfloat16"},
     "truncation_side": {"truncation_side": "right"}, "padding": {"padding": "max_length"},
     "add_special_tokens": {"add_special_tokens": False}, "messages": {"messages": [{"role": "user", "content": "x"}]},
-    "mm_processor_kwargs": {"mm_processor_kwargs": {"size": 1}},
+    "mm_processor_kwargs": {"mm_processor_kwargs": {"size": 1}}, "cache_salt": {"cache_salt": "tenant-a"},
+    "chat_template": {"chat_template": "{{ messages }}"}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
+    "add_generation_prompt": {"add_generation_prompt": True}, "continue_final_message": {"continue_final_message": True},
+    "media_io_kwargs": {"media_io_kwargs": {"image": {}}},
 }
 
 

@@ -81,6 +81,23 @@ def test_refusals_name_the_field(base_url, auth, route, body, param, words):
     assert error["param"] == param and words in error["message"], error
 
 
+def test_vllms_other_spellings_score_as_text_1_and_text_2_and_name_themselves_in_errors(base_url, auth):
+    """queries/documents, queries/items and data_1/data_2 give text_1/text_2's scores; a second spelling, or a side
+    missing, is a 400 naming a field as sent; the caller's request id and salt reach the response and the engine."""
+    want = post(base_url, auth, "/v1/score", {"text_1": QUERY, "text_2": TEXTS[:3]}).json()["data"]
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        got = post(base_url, auth, "/v1/score", {first: QUERY, second: TEXTS[:3], "cache_salt": "tenant-b",
+                                                 "request_id": f"spelled-{second}"})
+        assert got.status_code == 200 and got.json()["id"] == f"score-spelled-{second}", got.text
+        assert [d["score"] for d in got.json()["data"]] == pytest.approx([d["score"] for d in want], abs=TOLERANCE)
+    for body, param in (({"queries": "a", "documents": "b", "items": "c"}, "documents"),
+                        ({"text_1": "a", "data_2": "b"}, "data_2"), ({"queries": "a"}, "queries"),
+                        ({"queries": ["a", "b"], "items": ["c"]}, "queries"),
+                        ({"queries": "a", "documents": ["b", ""]}, "documents")):
+        r = post(base_url, auth, "/v1/score", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_another_model_is_a_404_and_no_key_a_401(base_url, auth):
     r = post(base_url, auth, "/v1/rerank", {"model": "bge-reranker", "query": "a", "documents": ["b"]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -96,6 +113,15 @@ EXAMPLES = {
     "text_1": {"text_1": ["one"]}, "text_2": {"text_2": ["three", "four"]},
     "query": {"query": "which one?"}, "documents": {"documents": ["one", "two", "three"]}, "top_n": {"top_n": 1},
     "return_documents": {"return_documents": False},
+    # vLLM 0.32's spellings of score's sides, in place of text_1 and text_2 (sent as null: not given)
+    "queries": {"text_1": None, "text_2": None, "queries": "hello", "documents": ["there", "here"]},
+    "items": {"text_1": None, "text_2": None, "queries": ["a", "b"], "items": ["c", "d"]},
+    "data_1": {"text_1": None, "text_2": None, "data_1": "hello", "data_2": ["there"]},
+    "data_2": {"text_1": None, "text_2": None, "data_1": ["hello"], "data_2": "there"},
+    "request_id": {"request_id": "mine-3"}, "cache_salt": {"cache_salt": "tenant-a"}, "user": {"user": "u1"},
+    "instruction": {"instruction": "Judge relevance."}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
+    "max_tokens_per_query": {"max_tokens_per_query": 8}, "max_tokens_per_doc": {"max_tokens_per_doc": 8},
+    "padding": {"padding": "max_length"}, "truncation_side": {"truncation_side": "right"},
 }
 BASES = {"score": ("/v1/score", {"text_1": "hello", "text_2": "there"}),
          "rerank": ("/v1/rerank", {"query": "hello", "documents": ["there", "here"]})}

@@ -1,5 +1,6 @@
 """Imports run one way (issue 43): no circle among the project's modules, `TYPE_CHECKING` imports included, and the
-core's bookkeeping (scheduler, block manager, sequences, sampling parameters) loads no torch when imported. Read
+core's bookkeeping (scheduler, block manager, sequences, sampling parameters) and the Serve modules load no torch when
+imported. Read
 from the source with `ast`, so nothing is imported to check it."""
 import ast
 import graphlib
@@ -11,7 +12,8 @@ FRONT_END_TEXT = ("engine.detokenizer", "engine.input_processor", "engine.output
                   "engine.tool_calls", "tokenizers")  # text in, text out: the front end's, never the core's
 TORCH_FREE = ("engine.scheduler", "engine.block_manager", "engine.sequence", "engine.sampling_params",
               "engine.config", "engine.errors", "engine.speculative", "engine.request_inbox", "engine.tool_calls",
-              "engine.admission", "engine.engine_stats")
+              "engine.admission", "engine.engine_stats", "engine.thinking_budget", "engine.repetition",
+              "engine.prompt_part", "serve_app.ingress", "serve_app.replica", "serve_app.protocol")
 
 
 def project_modules() -> dict[str, Path]:

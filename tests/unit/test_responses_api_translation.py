@@ -45,6 +45,7 @@ def test_input_items_become_chat_messages_with_instructions_first_and_calls_grou
     ({"enable_response_messages": True}, "enable_response_messages"),
     ({"previous_input_messages": [{"role": "user", "content": "hi"}]}, "previous_input_messages"),
     ({"return_prompt_text": True}, "return_prompt_text"), ({"stream_interval": 4}, "stream_interval"),
+    ({"logprob_token_ids": [5]}, "logprob_token_ids"),
 ])
 def test_stateful_and_unserved_fields_are_refused_by_name(body, field):
     with pytest.raises(ValidationError) as refused:
