@@ -57,12 +57,16 @@ def test_each_items_score_is_the_first_labels_probability_as_transformers_comput
             assert math.isclose(scored["score"], want, rel_tol=1e-3, abs_tol=1e-6), (item_first, scored, want)
 
 
-def test_a_prompt_longer_than_the_context_keeps_its_first_tokens(serve_app):
-    label = tokens(serve_app, " yes")[0]
-    r = post(serve_app, "/generative_scoring", {"query": QUERY, "items": [[label] * 9000], "label_token_ids": [label],
-                                                "apply_softmax": False})
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] == 8191  # the embedded model's context, less the one token
+def test_a_prompt_longer_than_the_context_keeps_its_first_tokens(llm32):
+    """The engine's input half on the request's own prompts and parameters, without running them (an 8k-token
+    prefill in fp32 costs half a minute here): query then item, or item then query, cut to the context less one."""
+    query, item = list(range(100, 120)), list(range(1000, 1000 + 9000))
+    body = GenerativeScoringRequest(query=query, items=[item], label_token_ids=[5])
+    context = llm32.inputs.limits.max_model_len
+    for item_first, joined in ((False, query + item), (True, item + query)):
+        body = body.model_copy(update={"item_first": item_first})
+        request = llm32.inputs.process("fit", body.prompts()[0], body.sampling_params())
+        assert request.prompt_token_ids == joined[: context - 1], item_first
 
 
 @pytest.mark.parametrize("extra,field", [
