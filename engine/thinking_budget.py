@@ -23,7 +23,7 @@ class ThinkingBudget:
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or not 0 <= self.tokens < 1 << 31:
-            raise EngineInputError(f"{PARAM} must be a non-negative integer (or -1: unlimited), got {self.tokens!r}",
+            raise EngineInputError(f"{PARAM} must be a non-negative integer (no budget: None), got {self.tokens!r}",
                                    PARAM)
         for name in ("start", "end"):
             marker = getattr(self, name)
@@ -39,15 +39,11 @@ class ThinkingCountdown:
 
     def __init__(self, budget: ThinkingBudget, prompt_token_ids: list[int]):
         self.budget = budget
-        self.thinking, self.thought, self.forcing = False, 0, -1
+        # active: in a section, so what the next token may be depends on the tokens before it
+        self.active, self.thought, self.forcing = False, 0, -1
         start = _last_index(prompt_token_ids, budget.start)
         if start >= 0 and start > _last_index(prompt_token_ids, budget.end):  # the prompt opened a section
             self._open(len(prompt_token_ids) - start - len(budget.start))
-
-    @property
-    def active(self) -> bool:
-        """In a section: what the next token may be depends on the tokens before it."""
-        return self.thinking
 
     def forced(self) -> int | None:
         """The token the next one must be: the end marker's next, once the section has spent its budget."""
@@ -59,17 +55,17 @@ class ThinkingCountdown:
         if self.forcing >= 0:
             self.forcing += 1
             if self.forcing == len(end):
-                self.thinking, self.forcing = False, -1
-        elif self.thinking:
+                self.active, self.forcing = False, -1
+        elif self.active:
             if _ends_with(token_ids, end):
-                self.thinking = False
+                self.active = False
             else:
                 self._open(self.thought + 1)
         elif _ends_with(token_ids, self.budget.start):
             self._open(0)
 
     def _open(self, thought: int) -> None:
-        self.thinking, self.thought = True, thought
+        self.active, self.thought = True, thought
         if thought >= self.budget.tokens:
             self.forcing = 0
 

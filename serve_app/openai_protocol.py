@@ -68,6 +68,14 @@ def refuse(field: str, why: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", f"not supported by this server: {why}", {"path": field})
 
 
+def refuse_asked(data: dict, unsupported: dict[str, tuple[tuple, str]]) -> None:
+    """Refuse the first field of `unsupported` (field -> (the values that ask for nothing, why refused)) that a
+    request body sets to anything else."""
+    for field, (nothing, why) in unsupported.items():
+        if field in data and data[field] not in nothing:
+            raise refuse(field, why)
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(min_length=1, max_length=64)
@@ -321,9 +329,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _refuse_vllm_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for field, (default, why) in UNSUPPORTED_VLLM_FIELDS.items():
-                if field in data and data[field] not in default:
-                    raise refuse(field, why)
+            refuse_asked(data, UNSUPPORTED_VLLM_FIELDS)
         return data
 
     @model_validator(mode="after")

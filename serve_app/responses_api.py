@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from serve_app.errors import OpenAIError, describe_validation_error
 from serve_app.openai_protocol import (MAX_TOOLS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_VLLM_FIELDS, ChatCompletionRequest,
-                                      check_unicode, refuse)
+                                      check_unicode, refuse, refuse_asked)
 
 # Responses fields this server does not implement: field -> (the values that ask for nothing, why refused)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -152,9 +152,7 @@ class ResponsesRequest(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             check_unicode(data)
-            for field, (nothing, why) in UNSUPPORTED_FIELDS.items():
-                if field in data and data[field] not in nothing:
-                    raise refuse(field, why)
+            refuse_asked(data, UNSUPPORTED_FIELDS)
             for field, why in CHAT_ONLY_FIELDS.items():
                 if data.get(field) is not None:
                     raise refuse(field, why)

@@ -13,7 +13,7 @@ from engine.errors import EngineInputError
 from engine.pooling_params import PoolingParams
 from engine.scoring import check_pairs
 from serve_app.embeddings_api import MAX_INPUTS
-from serve_app.openai_protocol import check_unicode, refuse
+from serve_app.openai_protocol import check_unicode, refuse, refuse_asked
 from serve_app.security import REQUEST_ID
 
 
@@ -54,9 +54,7 @@ class _PairRequest(BaseModel):
         for field in ("use_activation", "activation", "softmax"):
             if data.get(field) is False:
                 raise refuse(field, f"{field} false (a cosine similarity of embeddings has no activation to leave out)")
-        for field, (unset, why) in CROSS_ENCODER_FIELDS.items():
-            if data.get(field) not in unset:
-                raise refuse(field, why)
+        refuse_asked(data, CROSS_ENCODER_FIELDS)
         return data
 
     def pooling_params(self) -> PoolingParams:
