@@ -68,4 +68,4 @@ class BodyLimit:
 
     @staticmethod
     async def _refuse(refusal: BodyRefused, scope: Scope, receive: Receive, send: Send) -> None:
-        await OpenAIError(refusal.status_code, refusal.detail).response()(scope, receive, send)
+        await OpenAIError(refusal.status_code, refusal.detail).response(scope)(scope, receive, send)

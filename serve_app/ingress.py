@@ -21,7 +21,7 @@ from serve_app.aio import all_or_none
 from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, envelope, install_error_handlers
-from serve_app.generation_job import chat_options, generation_job, offers_tools
+from serve_app.generation_job import chat_options, generation_job, offered_tools, offers_tools
 from engine import EngineInputError, PoolingParams
 from engine.config import ADAPTER_NAME
 from engine.scoring import cosine_scores
@@ -30,9 +30,11 @@ from serve_app.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                       StreamOptions, TokenizeRequest)
 from serve_app.protocol import Admitted, Delta, EmbeddingJob, GenerationJob, Refused, Tokens
 from serve_app.replica_client import MergedStreams, RemoteReplica, ReplicaClient
-from serve_app import embeddings_api, generative_scoring_api, responses_api, responses_api_output, score_api
+from serve_app import (embeddings_api, generative_scoring_api, messages_api_output, responses_api, responses_api_output,
+                       score_api)
 from serve_app.embeddings_api import EmbeddingRequest
 from serve_app.generative_scoring_api import GenerativeScoringRequest
+from serve_app.messages_api import CountTokensRequest, MessagesRequest
 from serve_app.score_api import RerankRequest, ScoreRequest
 from serve_app.responses import (KEEP_ALIVE, Choice, CompletionResponse, StreamedChoice, chunk_body, completion_body, sse,
                                  usage, vllm_prompt_logprobs)
@@ -114,18 +116,23 @@ class Ingress:
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: the ids a completion or chat completion with this prompt would count."""
-        self._lora_name(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tokens = await self._prompt_tokens(body, body.template_input(), tools, body.return_token_strs)
+        info = await self._info()
+        return {"count": len(tokens.ids), "max_model_len": info["max_model_len"], "tokens": tokens.ids,
+                "token_strs": tokens.strs}
+
+    async def _prompt_tokens(self, body: TokenizeRequest | ChatCompletionRequest, prompt, tools: list[dict] | None,
+                             strs: bool = False) -> Tokens:
+        """The ids of a prompt, or of chat messages with the tools offered, as a generation would count them."""
+        self._lora_name(body.model)
         try:
             options = chat_options(body, self.args)
         except EngineInputError as exc:
             raise OpenAIError(400, str(exc), exc.param)
-        tokens = await self._call(self.replica.tokenize(body.template_input(), tools, body.return_token_strs, options),
-                                  self.args.request_timeout_s)
+        tokens = await self._call(self.replica.tokenize(prompt, tools, strs, options), self.args.request_timeout_s)
         self._raise_if_refused(tokens)
-        info = await self._info()
-        return {"count": len(tokens.ids), "max_model_len": info["max_model_len"], "tokens": tokens.ids,
-                "token_strs": tokens.strs}
+        return tokens
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         """vLLM's /detokenize: the text of token ids."""
@@ -223,6 +230,32 @@ class Ingress:
             raise responses_api.renamed(exc) from None
         return CompletionResponse(responses_api_output.response_object(whole, body, request_id,
                                                                        self._model_name(body.model)))
+
+    async def respond_to_messages(self, body: MessagesRequest, request: Request):
+        """Anthropic's Messages API (`POST /v1/messages`), as vLLM serves it: the request becomes a chat completion,
+        whose result or chunks become a message or its stream of typed events."""
+        message_id = f"msg_{request.state.request_id}"
+        model = self._model_name(body.model)
+        try:
+            chat = body.chat_request(parses_reasoning=self.args.reasoning_parser is not None)
+            messages = [m.for_template() for m in chat.messages]
+            if body.stream:
+                chunks = await self.stream_chunks(chat, messages, True, message_id)
+                events = messages_api_output.event_stream(chunks, message_id, model, _stream_error, body.max_tokens == 0)
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            whole = await self.whole_body(chat, messages, True, message_id)
+        except OpenAIError as exc:
+            raise body.renamed(exc) from None
+        return CompletionResponse(messages_api_output.message_object(whole, message_id, model, body.max_tokens == 0))
+
+    async def count_message_tokens(self, body: CountTokensRequest) -> dict:
+        """Anthropic's `POST /v1/messages/count_tokens`: the prompt's tokens as a Messages request would count them."""
+        try:
+            chat = body.chat_request(parses_reasoning=self.args.reasoning_parser is not None)
+            tokens = await self._prompt_tokens(chat, [m.for_template() for m in chat.messages], offered_tools(chat))
+        except OpenAIError as exc:
+            raise body.renamed(exc) from None
+        return {"input_tokens": len(tokens.ids)}
 
     def _jobs(self, body: SamplingFields, prompt, request_id: str) -> list[GenerationJob]:
         lora_name = self._lora_name(body.model)
@@ -587,6 +620,14 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.post("/generative_scoring")  # vLLM's path
     async def generative_scoring(body: GenerativeScoringRequest, request: Request):
         return CompletionResponse(await ingress.generative_scoring(body, request))
+
+    @api.post("/v1/messages")  # Anthropic's, as vLLM serves it; errors in Anthropic's envelope (errors.py)
+    async def messages(body: MessagesRequest, request: Request):
+        return await ingress.respond_to_messages(body, request)
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest):
+        return await ingress.count_message_tokens(body)
 
     @api.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

@@ -1,4 +1,4 @@
-"""Who may call what: the bearer key on every route but /health, and no unauthenticated exposure by accident."""
+"""Who may call what: the key (bearer or x-api-key) on every route but /health, and no unauthenticated exposure by accident."""
 from __future__ import annotations
 
 import hmac
@@ -9,7 +9,7 @@ import uuid
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, route_path
 
 PUBLIC_PATHS = frozenset({"/health"})
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -30,27 +30,23 @@ class Guard:
         headers = Headers(scope=scope)
         incoming = headers.get("x-request-id", "")
         scope.setdefault("state", {})["request_id"] = incoming if REQUEST_ID.match(incoming) else f"req-{uuid.uuid4().hex}"
-        if self.api_key and needs_key(scope) and not authorized(headers.get("authorization", ""), self.api_key):
-            refusal = OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
-            return await refusal.response()(scope, receive, send)
+        if self.api_key and needs_key(scope) and not authorized(headers, self.api_key):
+            refusal = OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or, as "
+                                  "Anthropic's clients do, 'x-api-key: <key>')", code="invalid_api_key")
+            return await refusal.response(scope)(scope, receive, send)
         await self.app(scope, receive, send)
-
-
-def route_path(scope: Scope) -> str:
-    """The path as the app's routes see it. Under a Serve route_prefix the ASGI path still carries the prefix
-    (it is in root_path too), so a check on the raw path would miss every route of a prefixed app."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return (path[len(root):] or "/") if root and path.startswith(root) else path
 
 
 def needs_key(scope: Scope) -> bool:
     return route_path(scope) not in PUBLIC_PATHS
 
 
-def authorized(authorization: str, key: str) -> bool:
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+def authorized(headers: Headers, key: str) -> bool:
+    """The key as a bearer token, or in x-api-key (Anthropic's clients send it there); compared in constant time."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return hmac.compare_digest(token.strip().encode(), key.encode())
+    return "x-api-key" in headers and hmac.compare_digest(headers["x-api-key"].strip().encode(), key.encode())
 
 
 def is_loopback(host: str) -> bool:

@@ -76,6 +76,31 @@ def test_the_responses_api_gives_a_reasoning_item_before_the_message(app, auth):
     assert [item["type"] for item in done] == ["reasoning", "message"] and done[0]["content"] == [thinking]
 
 
+def test_the_messages_api_gives_a_thinking_block_under_its_budget(app, auth):
+    """Anthropic's thinking options on the Messages route: enabled's budget_tokens is vLLM's thinking_token_budget,
+    disabled a budget of 0, display omitted leaves the block out; the blocks are the chat reply's parts."""
+    ask = {"messages": [{"role": "user", "content": "Describe the sea.\n<think>"}], "max_tokens": 24, "temperature": 0}
+    chat = post(app, auth, "/v1/chat/completions", {**ask, "thinking_token_budget": 9}).json()
+    reply = chat["choices"][0]["message"]
+    body = {**ask, "model": "SmolLM2-135M-Instruct", "thinking": {"type": "enabled", "budget_tokens": 9}}
+    message = post(app, auth, "/v1/messages", body).json()
+    assert [block["type"] for block in message["content"]] == ["thinking", "text"], message
+    assert (message["content"][0]["thinking"], message["content"][1]["text"]) == (reply["reasoning"], reply["content"])
+    assert message["usage"]["output_tokens_details"]["thinking_tokens"] == chat["usage"]["completion_tokens_details"][
+        "reasoning_tokens"] > 0
+    with httpx.stream("POST", app + "/v1/messages", json={**body, "stream": True}, headers=auth, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == reply["reasoning"]
+    assert "".join(d.get("text", "") for d in deltas) == reply["content"]
+    assert [d["type"] for d in deltas if d["type"] != "thinking_delta"][0] == "signature_delta"  # closes the thinking
+    omitted = post(app, auth, "/v1/messages", {**body, "thinking": {**body["thinking"], "display": "omitted"}}).json()
+    assert [(b["type"], b["text"]) for b in omitted["content"]] == [("text", reply["content"])], omitted
+    unthought = post(app, auth, "/v1/chat/completions", {**ask, "thinking_token_budget": 0}).json()["choices"][0]
+    disabled = post(app, auth, "/v1/messages", {**body, "thinking": {"type": "disabled"}}).json()
+    assert [b.get("text") for b in disabled["content"] if b["type"] == "text"] == [unthought["message"]["content"]]
+
+
 def test_a_constraint_waits_for_the_end_of_the_thinking(app, auth):
     """Without a closed think block in the prompt, the model thinks first (DeepSeek-R1's template opened it): the
     regex would bind its first token, but SmolLM2 never writes </think>, so the whole reply stays free thinking."""

@@ -1,5 +1,6 @@
 """Auth covers every route but /health under any route prefix; exposure without a key is refused."""
 import pytest
+from starlette.datastructures import Headers
 
 from serve_app.security import authorized, exposure_problem, is_loopback, needs_key
 
@@ -13,9 +14,16 @@ def test_every_route_but_health_needs_the_key_under_any_prefix(root, path, prote
     assert needs_key({"path": path, "root_path": root}) is protected
 
 
-def test_the_key_is_a_bearer_token_compared_exactly():
-    assert authorized("Bearer s3cret", "s3cret") and authorized("bearer  s3cret ", "s3cret")
-    assert not authorized("Bearer s3cre", "s3cret") and not authorized("s3cret", "s3cret") and not authorized("", "k")
+def test_the_key_is_a_bearer_token_or_an_x_api_key_compared_exactly():
+    def asks(**headers) -> bool:
+        return authorized(Headers(headers), "s3cret")
+
+    assert asks(authorization="Bearer s3cret") and asks(authorization="bearer  s3cret ")
+    assert not asks(authorization="Bearer s3cre") and not asks(authorization="s3cret") and not asks()
+    assert asks(**{"x-api-key": "s3cret"}) and not asks(**{"x-api-key": "s3cre"}) and not asks(**{"x-api-key": ""})
+    # a wrong bearer token is not saved by a right x-api-key: the bearer header, when sent, is the one read
+    assert not asks(authorization="Bearer nope", **{"x-api-key": "s3cret"})
+    assert asks(authorization="Basic abc", **{"x-api-key": "s3cret"})
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("::1", True), ("localhost", True),
