@@ -220,6 +220,8 @@ class Conversation(BaseModel):
         if self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice.chat_choice()
             body["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
+        if self.messages[-1].role == "assistant":  # a prefill: the reply continues it, as Anthropic's does
+            body |= {"continue_final_message": True, "add_generation_prompt": False}
         budget = self.thinking_budget(parses_reasoning)
         if budget is not None:
             body["thinking_token_budget"] = budget

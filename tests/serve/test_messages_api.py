@@ -55,6 +55,15 @@ def test_a_message_is_the_chat_reply_whole_and_streamed(client, chat):
     assert final.usage.input_tokens == whole.usage.input_tokens and final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_a_last_assistant_turn_is_a_prefill_the_reply_continues(client, chat):
+    prefill = [*ASK, {"role": "assistant", "content": "My three favourite colours are"}]
+    reply = chat.chat.completions.create(model=MODEL, max_tokens=16, temperature=0.0, messages=prefill,
+                                         extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    whole = client.messages.create(model=MODEL, messages=prefill, max_tokens=16, extra_body=GREEDY)
+    assert texts(whole) == [("text", reply.choices[0].message.content)]
+    assert client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens == reply.usage.prompt_tokens
+
+
 def test_a_stop_sequence_ends_the_message_and_is_named(client):
     text = client.messages.create(model=MODEL, messages=ASK, max_tokens=32, extra_body=GREEDY).content[0].text
     word = text.split()[len(text.split()) // 2]

@@ -59,6 +59,13 @@ def test_thinking_options_become_a_budget_only_where_the_app_parses_thinking():
     assert request(max_tokens=0).chat_request(False).max_completion_tokens == 1  # a token is computed, none shown
 
 
+def test_a_last_assistant_turn_is_a_prefill_the_reply_continues():
+    prefilled = request(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}])
+    chat = prefilled.chat_request(False)
+    assert chat.continue_final_message and not chat.add_generation_prompt
+    assert request().chat_request(False).add_generation_prompt
+
+
 @pytest.mark.parametrize("fields,field", [
     ({"container": "c"}, "container"), ({"context_management": {"edits": []}}, "context_management"),
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0"), ({"workspace_id": "w"}, "workspace_id"),
