@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic_core import PydanticCustomError
 
 from serve_app.errors import OpenAIError, describe_validation_error
-from serve_app.openai_protocol import MAX_TOOLS, ChatCompletionRequest, check_unicode, refuse, refuse_asked
+from serve_app.openai_protocol import MAX_TOOLS, ChatCompletionRequest, check_unicode, refuse_asked, refuse_tool_kinds
 
 # Anthropic's fields that ask for what this server does not do: field -> (the values that ask for nothing, why)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -206,10 +206,7 @@ class Conversation(BaseModel):
         if isinstance(data, dict):
             check_unicode(data)
             refuse_asked(data, UNSUPPORTED_FIELDS)
-            tools = data.get("tools")
-            for i, tool in enumerate(tools if isinstance(tools, list) else ()):
-                if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
-                    raise refuse(f"tools.{i}", f"{tool.get('type')!r} tools (the client's own tools are served)")
+            refuse_tool_kinds(data, (None, "custom"), "the client's own tools")
         return data
 
     def chat_body(self, parses_reasoning: bool) -> dict:

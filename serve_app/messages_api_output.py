@@ -8,7 +8,7 @@ import json
 import uuid
 
 from serve_app.errors import as_anthropic
-from serve_app.responses import KEEP_ALIVE, sse_event
+from serve_app.responses import retold_stream, sse_event
 
 # chat's finish reasons as Anthropic's stop reasons; a stop string matched is its stop_sequence
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
@@ -106,6 +106,9 @@ class _Events:
                 self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
         return events
 
+    def start(self) -> list[bytes]:
+        return []  # message_start waits for the first chunk, which carries the prompt's usage
+
     def finish(self) -> list[bytes]:
         delta = _stop("length", None) if self.warm_only else _stop(self.finish_reason, self.stop_reason)
         counts = _usage(_nothing_generated(self.usage) if self.warm_only else self.usage)
@@ -153,17 +156,6 @@ class _Events:
         return sse_event(kind, {"type": kind, "index": self.index, **fields})
 
 
-async def event_stream(chunks, message_id: str, model: str, stream_error, warm_only: bool = False):
-    """The SSE stream of a message from the chat chunks; `stream_error(exc, id)` gives an error's envelope. The
-    chunks are closed at once when the client goes, so the engine stops the request then."""
-    events = _Events(message_id, model, warm_only)
-    try:
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                for event in [PING] if chunk is None else events.chunk(chunk):
-                    yield event
-        for event in events.finish():
-            yield event
-    except Exception as exc:
-        for event in events.fail(stream_error(exc, message_id)):
-            yield event
+def event_stream(chunks, message_id: str, model: str, stream_error, warm_only: bool = False):
+    """The SSE stream of a message from the chat chunks; `stream_error(exc, id)` gives an error's envelope."""
+    return retold_stream(chunks, _Events(message_id, model, warm_only), PING, stream_error, message_id)

@@ -76,6 +76,14 @@ def refuse_asked(data: dict, unsupported: dict[str, tuple[tuple, str]]) -> None:
             raise refuse(field, why)
 
 
+def refuse_tool_kinds(data: dict, served: tuple, what: str) -> None:
+    """Refuse the first of a body's `tools` whose type is not among `served` (e.g. a hosted search tool), by index."""
+    tools = data.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if isinstance(tool, dict) and tool.get("type") not in served:
+            raise refuse(f"tools.{i}", f"{tool.get('type')!r} tools ({what} are served)")
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(min_length=1, max_length=64)

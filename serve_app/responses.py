@@ -1,6 +1,7 @@
 """The OpenAI response shapes we produce: whole completions, stream chunks, usage, logprobs and tool calls."""
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -254,3 +255,21 @@ def sse(payload: dict) -> bytes:
 def sse_event(kind: str, payload: dict) -> bytes:
     """An SSE event with its type named, as the Responses API streams them."""
     return b"event: " + kind.encode() + b"\ndata: " + _encode(payload) + b"\n\n"
+
+
+async def retold_stream(chunks, events, keep_alive: bytes | str, stream_error, request_id: str):
+    """A chat stream retold as another API's events (the Responses and Messages APIs'): `events` gives those of its
+    start, of each chunk, of its finish, and of a failure's envelope (`stream_error(exc, request_id)`). The chunks are
+    closed at once when the client goes, so the engine stops the request then."""
+    for event in events.start():
+        yield event
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                for event in [keep_alive] if chunk is None else events.chunk(chunk):
+                    yield event
+        for event in events.finish():
+            yield event
+    except Exception as exc:
+        for event in events.fail(stream_error(exc, request_id)):
+            yield event

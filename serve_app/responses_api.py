@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from serve_app.errors import OpenAIError, describe_validation_error
 from serve_app.openai_protocol import (MAX_TOOLS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_VLLM_FIELDS, ChatCompletionRequest,
-                                      check_unicode, refuse, refuse_asked)
+                                      check_unicode, refuse, refuse_asked, refuse_tool_kinds)
 
 # Responses fields this server does not implement: field -> (the values that ask for nothing, why refused)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -158,10 +158,7 @@ class ResponsesRequest(BaseModel):
                     raise refuse(field, why)
             if isinstance(data.get("input"), str):  # one user message: so a bad item's error names the item
                 data = {**data, "input": [{"role": "user", "content": data["input"]}]}
-            tools = data.get("tools")
-            for i, tool in enumerate(tools if isinstance(tools, list) else ()):
-                if isinstance(tool, dict) and tool.get("type") != "function":
-                    raise refuse(f"tools.{i}", f"{tool.get('type')!r} tools (function tools are served)")
+            refuse_tool_kinds(data, ("function",), "function tools")
         return data
 
     def chat_request(self) -> ChatCompletionRequest:

@@ -2,12 +2,11 @@
 of a stream become the response's numbered, typed events."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 import uuid
 
-from serve_app.responses import KEEP_ALIVE, sse_event
+from serve_app.responses import KEEP_ALIVE, retold_stream, sse_event
 from serve_app.responses_api import ResponsesRequest, renamed_field
 
 # a failed response's error codes are OpenAI's fixed few: the envelope's type -> the nearest of them
@@ -187,23 +186,6 @@ class _Events:
                 self.event("response.output_item.done", output_index=index, item=item)]
 
 
-async def event_stream(chunks, request: ResponsesRequest, response_id: str, model: str, stream_error):
-    """The SSE stream of a response from the chat chunks; `stream_error(exc, id)` gives an error's envelope. The
-    chunks are closed at once when the client goes, so the engine stops the request then."""
-    events = _Events(request, response_id, model)
-    for event in events.start():
-        yield event
-    try:
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                if chunk is None:
-                    yield KEEP_ALIVE
-                    continue
-                for event in events.chunk(chunk):
-                    yield event
-        for event in events.finish():
-            yield event
-    except Exception as exc:
-        for event in events.fail(stream_error(exc, response_id)):
-            yield event
-
+def event_stream(chunks, request: ResponsesRequest, response_id: str, model: str, stream_error):
+    """The SSE stream of a response from the chat chunks; `stream_error(exc, id)` gives an error's envelope."""
+    return retold_stream(chunks, _Events(request, response_id, model), KEEP_ALIVE, stream_error, response_id)
