@@ -25,7 +25,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "user_profile_id": ((None,), "user_profile_id (this server has no Anthropic profiles)"),
     "workspace_id": ((None,), "workspace_id (this server has no Anthropic workspaces)"),
 }
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user", "thinking": "assistant",
+                 "redacted_thinking": "assistant"}
+BLOCK_TYPES = ("text", *ROLE_OF_BLOCK)
 
 
 class CacheControl(BaseModel):
@@ -109,9 +111,12 @@ class Message(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _system_is_text(self) -> "Message":
-        if self.role == "system" and not all(isinstance(b, TextBlock) for b in self.content if not isinstance(b, str)):
-            raise PydanticCustomError("system", "a system message holds text blocks only", {})
+    def _blocks_of_its_role(self) -> "Message":
+        """As Anthropic's API: the model's blocks in assistant turns, tool results in user turns, text anywhere."""
+        for j, block in enumerate(self.content if isinstance(self.content, list) else ()):
+            if block.type != "text" and self.role != ROLE_OF_BLOCK[block.type]:
+                raise PydanticCustomError("role", "block {j}: {kind} blocks belong in {role} turns",
+                                          {"j": j, "kind": block.type, "role": ROLE_OF_BLOCK[block.type]})
         return self
 
 
@@ -286,8 +291,8 @@ def _chat_turn(message: Message) -> list[dict]:
     text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
              for b in message.content if isinstance(b, ToolUseBlock)]
-    if message.role == "assistant" and calls:
-        return results + [{"role": "assistant", "content": text or None, "tool_calls": calls}]
+    if calls:  # an assistant's (Message checks each block's role)
+        return [{"role": "assistant", "content": text or None, "tool_calls": calls}]
     if text or not results:  # a turn of tool results alone is just those
         return results + [{"role": message.role, "content": text}]
     return results

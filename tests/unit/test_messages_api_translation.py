@@ -80,6 +80,9 @@ def test_what_is_not_served_is_refused_by_name(fields, field):
 @pytest.mark.parametrize("fields,field", [
     ({"thinking": {"type": "enabled"}}, "thinking"), ({"tool_choice": {"type": "tool"}}, "tool_choice"),
     ({"messages": [{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "messages.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     "messages.0"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "messages.0"),
     ({"output_format": {"type": "json_schema", "schema": {}}, "output_config": {"format": {"type": "json_schema",
                                                                                           "schema": {}}}}, ""),
     ({"temperature": 1.5}, "temperature"), ({"stream": True, "invented": 1}, "invented")])
