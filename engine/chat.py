@@ -42,6 +42,7 @@ class ChatOptions:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_format: str = "hermes"  # how tools and calls are written for a template that cannot render them
     template: str | None = None  # the offline caller's own template (vLLM's LLM.chat chat_template); None: the model's
+    documents: list[dict[str, str]] | None = None  # vLLM's: what a RAG template (Command R's, Granite's) cites
 
     def __post_init__(self) -> None:
         if self.tool_format not in tool_calls.FORMATS:
@@ -101,6 +102,9 @@ def render(tokenizer, messages: Messages, tools: list[dict] | None = None, optio
     last message)."""
     template = options.template or tokenizer.chat_template or ""
     native_tools = "tools" in template
+    if options.documents is not None and "documents" not in template:
+        raise EngineInputError("documents: the chat template does not read documents (a RAG template does, such as "
+                               "Command R's or Granite's)", "documents")
     if "developer" not in template:  # OpenAI's newer name for the system role
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not ("tool_calls" in template and native_tools):
@@ -109,7 +113,7 @@ def render(tokenizer, messages: Messages, tools: list[dict] | None = None, optio
         messages = _with_tools_in_system_prompt(messages, tools, options.tool_format)
     try:
         return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
-                                             chat_template=options.template,
+                                             documents=options.documents, chat_template=options.template,
                                              add_generation_prompt=options.add_generation_prompt,
                                              continue_final_message=options.continue_final_message,
                                              **options.template_kwargs)

@@ -21,6 +21,7 @@ from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROB_TOKE
 
 MAX_TOOLS = 128  # OpenAI's own bound
 MAX_PROMPTS = 64  # a completion's batch of prompts; each prompt's n choices are engine requests of their own
+MAX_DOCUMENTS = 256  # a chat's RAG documents (the body limit bounds their text)
 MAX_CONSTRAINT_CHARS = 100_000  # a grammar's or a regex's text (llguidance bounds the compiled grammar's size too)
 Constraint = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHARS)
 
@@ -205,7 +206,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple, str]] = {
     "vllm_xargs": ((None,), "vllm_xargs (no custom extensions are installed)"),
     "prompt_embeds": ((None,), "prompt embeddings"),
     "mm_processor_kwargs": ((None,), "multimodal input"),
-    "documents": ((None,), "documents for a RAG chat template"),
     "chat_template": ((None,), "a chat template per request (the server's is used: engine_config.chat_template, "
                                "else the model's)"),
     "watermarking": ((None, False), "watermarking"),
@@ -598,12 +598,15 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS, description=(
+        "for a RAG chat template, which reads them (each e.g. a title and a text); another template refuses them"))
     include_reasoning: bool = True  # false: the reply's reasoning (the app's reasoning_parser) is left out
     return_prompt_text: bool | None = None  # the prompt the template wrote, as `prompt_text` (a stream's first chunk)
 
     def chat_options(self) -> ChatOptions:
         """How the messages become the prompt; EngineInputError naming the field that cannot be."""
-        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
+                           documents=self.documents)
 
     @model_validator(mode="before")
     @classmethod

@@ -131,3 +131,19 @@ def test_the_engine_chats_in_the_configured_template(tmp_path):
     angled = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"  # a call's own, as vLLM's LLM.chat takes it
     (out,) = llm.chat(CONVERSATION, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False, chat_template=angled)
     assert out.prompt_token_ids == tokenizer.encode("<Be brief.><Hi>", add_special_tokens=False)
+
+
+# vLLM's documents, for a RAG template (Command R's and Granite's read them so)
+RAG = ("{% for d in documents %}<doc {{ loop.index }}: {{ d['title'] }}> {{ d['text'] }}\n{% endfor %}"
+       "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+
+
+def test_documents_reach_a_template_that_reads_them_and_are_refused_by_one_that_does_not(tokenizer):
+    documents = [{"title": "Tides", "text": "The moon pulls the sea."}, {"title": "Salt", "text": "The sea is salty."}]
+    text = render(tokenizer, CONVERSATION, options=ChatOptions(template=RAG, documents=documents))
+    assert text == ("<doc 1: Tides> The moon pulls the sea.\n<doc 2: Salt> The sea is salty.\n"
+                    "[system] Be brief.\n[user] Hi\n")
+    assert render(tokenizer, CONVERSATION, options=ChatOptions(template=RAG, documents=[])).startswith("[system]")
+    with pytest.raises(EngineInputError) as refused:  # the embedded model's template has no place for them
+        render(tokenizer, CONVERSATION, options=ChatOptions(documents=documents))
+    assert refused.value.param == "documents"
