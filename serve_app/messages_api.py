@@ -28,6 +28,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
 ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user", "thinking": "assistant",
                  "redacted_thinking": "assistant"}
 BLOCK_TYPES = ("text", *ROLE_OF_BLOCK)
+# Claude Code (2.1.154 on) sends context and messages under roles of its own; vLLM reads them as the user's, as here
+CLIENT_USER_ROLES = ("ctx", "msg")
+# Claude Code's first system block: a per-request billing hash for Anthropic, not an instruction; left out, as vLLM
+# leaves it out, or every request's prompt would differ from its first tokens and miss the prefix cache
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 class CacheControl(BaseModel):
@@ -102,6 +107,8 @@ class Message(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") in CLIENT_USER_ROLES:
+            data = {**data, "role": "user"}
         blocks = data.get("content") if isinstance(data, dict) else None
         for j, block in enumerate(blocks if isinstance(blocks, list) else ()):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -248,7 +255,8 @@ class Conversation(BaseModel):
     def _chat_messages(self) -> list[dict]:
         """The system prompt first; a user turn's tool results as tool messages before its text; an assistant turn's
         tool_use blocks as its tool calls. Earlier thinking is left out, as Anthropic leaves it out."""
-        system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system or ())
+        system = self.system if isinstance(self.system, str) else "\n".join(
+            b.text for b in self.system or () if not b.text.startswith(BILLING_HEADER))
         messages, self._origins = ([{"role": "system", "content": system}], [None]) if system else ([], [])
         for k, message in enumerate(self.messages):
             for chat in _chat_turn(message):

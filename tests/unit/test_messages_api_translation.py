@@ -50,6 +50,14 @@ def test_turns_become_chat_messages_with_tool_results_first_and_earlier_thinking
     assert (chat.max_completion_tokens, chat.stop, chat.top_k, chat.stream) == (9, ["\n\n"], 5, False)
 
 
+def test_claude_codes_own_roles_are_the_users_and_its_billing_header_is_left_out():
+    asked = request(system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=9f3a;"},
+                            {"type": "text", "text": "You are Claude Code."}],
+                    messages=[{"role": "ctx", "content": "cwd: /repo"}, {"role": "msg", "content": "fix the bug"}])
+    turns = [(m.role, m.content) for m in asked.chat_request(False).messages]
+    assert turns == [("system", "You are Claude Code."), ("user", "cwd: /repo"), ("user", "fix the bug")]
+
+
 def test_thinking_options_become_a_budget_only_where_the_app_parses_thinking():
     enabled = request(thinking={"type": "enabled", "budget_tokens": 64})
     assert enabled.chat_request(True).thinking_token_budget == 64
