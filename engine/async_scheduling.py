@@ -54,11 +54,12 @@ def launch(batch: ScheduledBatch, step: StepLogits, tokens: torch.Tensor) -> InF
 def flies(seq: Sequence) -> bool:
     """Whether a running sequence's next step may be launched before its last token is read: a decode whose draw
     depends on nothing but that token, and needs no host work before or after it (no logprobs, bias, penalties,
-    grammar, allowed tokens, bad words, bans before min_tokens)."""
+    grammar, allowed tokens, bad words, bans before min_tokens, a thinking budget's forced token soon)."""
     progress = seq.runtime
     return (progress.draws_from_logits_alone and seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
             and progress.grammar is None and progress.pending_grammar is None
-            and seq.num_output_tokens >= seq.params.min_tokens)
+            and seq.num_output_tokens >= seq.params.min_tokens
+            and (progress.thinking is None or progress.thinking.next_two_free()))
 
 
 def next_input_ids(landing: InFlight, seqs: list[Sequence]) -> torch.Tensor:

@@ -282,7 +282,8 @@ class LLMEngine:
         still runs, nothing waiting could be admitted (a full batch admits no one: saturated, the queue waits), and
         the pool holds their next slots without preempting anyone. Each row flew when step N launched, and still
         does: a landing appends one token and computes one, and nothing a row's flight depends on (a grammar,
-        min_tokens, logprobs) starts mid-output, so only ends and lengths are checked (flies() for 256 rows: 70 us)."""
+        min_tokens, logprobs) starts mid-output, so only ends, lengths and thinking countdowns (which near their
+        forced token step by step) are checked (flies() for 256 rows: 70 us)."""
         seqs = [seq for seq in landing.step.seqs if not seq.is_finished]  # aborted since it launched
         bm, scheduler = self.block_manager, self.scheduler
         if (not seqs or (scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs)
@@ -290,8 +291,8 @@ class LLMEngine:
             return None
         grown, block_size = [], bm.block_size  # (row, blocks it takes): about one row in block_size a step
         for row, seq in enumerate(seqs):
-            length = len(seq.token_ids)
-            if length >= self.max_model_len:
+            length, thinking = len(seq.token_ids), seq.runtime.thinking
+            if length >= self.max_model_len or (thinking is not None and not thinking.next_two_free()):
                 return None
             if length >= len(seq.block_table) * block_size:  # position `length` lies past its last block
                 grown.append((row, bm.blocks_needed(length + 1) - len(seq.block_table)))

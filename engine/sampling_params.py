@@ -163,9 +163,9 @@ class SamplingParams:
     def draws_from_logits_alone(self) -> bool:
         """Whether a token's draw needs nothing on the host but the row's logits (async scheduling may launch the
         step after it first): no penalties (the history), logprobs, logit bias, restricted vocabulary, prompt
-        logprobs, thinking budget (the token it forces follows the one before)."""
+        logprobs. A thinking budget's rows fly while its countdown forces nothing soon (async_scheduling.flies)."""
         return not (self.has_penalties or self.logprobs is not None or self.logit_bias or self.restricts_vocabulary
-                    or self.prompt_logprobs is not None or self.thinking_budget is not None)
+                    or self.prompt_logprobs is not None)
 
     @property
     def restricts_vocabulary(self) -> bool:

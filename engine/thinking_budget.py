@@ -49,6 +49,14 @@ class ThinkingCountdown:
         """The token the next one must be: the end marker's next, once the section has spent its budget."""
         return self.budget.end[self.forcing] if self.forcing >= 0 else None
 
+    def next_two_free(self) -> bool:
+        """Whether neither the next token nor the one after it is forced, whatever the next one is: async scheduling
+        may then launch the step after next before the next token is read. A section open with two tokens left of its
+        budget, or none open where a budget is at least 1 (the next token may open one)."""
+        if self.forcing >= 0:
+            return False
+        return self.thought + 1 < self.budget.tokens if self.active else self.budget.tokens >= 1
+
     def append(self, token_ids: list[int]) -> None:
         """Advance by the last of `token_ids` (the whole sequence, the new token last)."""
         end = self.budget.end

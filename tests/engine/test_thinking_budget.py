@@ -61,6 +61,8 @@ def test_the_countdown_forces_what_the_definition_forces(budget, prompt, output)
     for position, token in enumerate(output):
         forced = countdown.forced()
         assert forced == want[position], (position, forced, want)
+        if countdown.next_two_free():  # async scheduling's promise: this token and the next are the model's
+            assert want[position:position + 2] in ([None, None], [None]), (position, want)
         token = forced if forced is not None else token  # the sampler allows nothing else
         tokens.append(token)
         countdown.append(tokens)
@@ -135,5 +137,28 @@ def test_budgets_hold_beside_other_requests_with_speculation_and_async_schedulin
             assert countdown.forced() in (None, token), (out.token_ids, token)
             tokens.append(token)
             countdown.append(tokens)
+    blocks = llm.engine.scheduler.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_budgets_rows_fly_under_async_scheduling_until_its_forced_token_nears(tokenizer, markers):
+    """Under async scheduling a step is launched before the last one's tokens are read; a row with a budget flies
+    while neither of its next two tokens can be forced, and lands steps as its end marker nears: the tokens are
+    the synchronous steps' (greedy and seeded), and its rows really were launched ahead."""
+    start, end = markers
+    llm = LLM(dtype="float32", num_kv_blocks=256, async_scheduling=True)
+    prompts = [think_prompt(tokenizer, opened=i % 2 == 0) for i in range(4)]
+    params = [SamplingParams(max_tokens=28, temperature=0.0 if i < 2 else 0.8, seed=i, ignore_eos=True,
+                             thinking_budget=ThinkingBudget(tokens, start, end))
+              for i, tokens in enumerate([6, 11, 9, 14])]
+    runner, launched = llm.engine.runner, []
+    execute_ahead = runner.execute_ahead
+    runner.execute_ahead = lambda seqs, *args: launched.append(len(seqs)) or execute_ahead(seqs, *args)
+    ahead = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.async_scheduling = False
+    assert ahead == [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert launched.count(4) >= 5, launched  # steps of all four rows flew: before their sections' ends neared
+    for prompt, p, out in zip(prompts[::2], params[::2], ahead[::2]):  # the prompt opened these sections
+        assert tuple(out[p.thinking_budget.tokens - 1:][:len(end)]) == end, out
     blocks = llm.engine.scheduler.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
