@@ -59,7 +59,7 @@ def flies(seq: Sequence) -> bool:
     return (progress.draws_from_logits_alone and seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
             and progress.grammar is None and progress.pending_grammar is None
             and seq.num_output_tokens >= seq.params.min_tokens
-            and (progress.thinking is None or progress.thinking.next_two_free()))
+            and (progress.thinking is None or progress.thinking.free_tokens() >= 2))
 
 
 def next_input_ids(landing: InFlight, seqs: list[Sequence]) -> torch.Tensor:

@@ -292,7 +292,7 @@ class LLMEngine:
         grown, block_size = [], bm.block_size  # (row, blocks it takes): about one row in block_size a step
         for row, seq in enumerate(seqs):
             length, thinking = len(seq.token_ids), seq.runtime.thinking
-            if length >= self.max_model_len or (thinking is not None and not thinking.next_two_free()):
+            if length >= self.max_model_len or (thinking is not None and thinking.free_tokens() < 2):
                 return None
             if length >= len(seq.block_table) * block_size:  # position `length` lies past its last block
                 grown.append((row, bm.blocks_needed(length + 1) - len(seq.block_table)))
@@ -415,17 +415,15 @@ class LLMEngine:
 
     def _draft_room(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify next step: none while a row's rule depends on the tokens before it in
-        the same step (penalties, a grammar, min_tokens, bad words, a thinking section's countdown), and never past
-        max_tokens or the context."""
+        the same step (penalties, a grammar, min_tokens, bad words), never so many that a thinking budget would force
+        a token within the step, and never past max_tokens or the context."""
         params, state = seq.params, seq.runtime
         if (seq.pooling is not None or seq.num_uncomputed_tokens != 1 or params.has_penalties
                 or state.grammar is not None or state.pending_grammar is not None
-                or seq.num_output_tokens < params.min_tokens or params.bad_words_token_ids
-                or (state.thinking is not None and state.thinking.active)):
+                or seq.num_output_tokens < params.min_tokens or params.bad_words_token_ids):
             return 0
         room = min(state.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
-        # a section opened by drafts cannot spend its budget within the step: no token of it needs forcing
-        return room if state.thinking is None else min(room, params.thinking_budget.tokens)
+        return room if state.thinking is None else max(0, min(room, state.thinking.free_tokens() - 1))
 
     @staticmethod
     def _num_prompt_tokens_in(batch: ScheduledBatch) -> int:

@@ -49,13 +49,13 @@ class ThinkingCountdown:
         """The token the next one must be: the end marker's next, once the section has spent its budget."""
         return self.budget.end[self.forcing] if self.forcing >= 0 else None
 
-    def next_two_free(self) -> bool:
-        """Whether neither the next token nor the one after it is forced, whatever the next one is: async scheduling
-        may then launch the step after next before the next token is read. A section open with two tokens left of its
-        budget, or none open where a budget is at least 1 (the next token may open one)."""
+    def free_tokens(self) -> int:
+        """How many of the next tokens are the model's whatever they are (none forced): the rest of an open section's
+        budget, or where none is open the budget and one (the next token may be a start marker's last). Async
+        scheduling launches a row's step ahead with two, and a step verifies drafts for all but one of them."""
         if self.forcing >= 0:
-            return False
-        return self.thought + 1 < self.budget.tokens if self.active else self.budget.tokens >= 1
+            return 0
+        return self.budget.tokens - self.thought if self.active else self.budget.tokens + 1
 
     def append(self, token_ids: list[int]) -> None:
         """Advance by the last of `token_ids` (the whole sequence, the new token last)."""
