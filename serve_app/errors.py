@@ -32,7 +32,8 @@ class OpenAIError(Exception):
     def response(self, scope: Scope | None = None) -> JSONResponse:
         """The error as the route that `scope` asked for answers: Anthropic's envelope on its Messages routes."""
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        body = anthropic_envelope(self.status, self.message) if scope is not None and speaks_anthropic(scope) else self.body()
+        anthropic = scope is not None and speaks_anthropic(scope)
+        body = anthropic_envelope(self.status, self.message) if anthropic else self.body()
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 

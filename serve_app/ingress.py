@@ -241,7 +241,8 @@ class Ingress:
             messages = [m.for_template() for m in chat.messages]
             if body.stream:
                 chunks = await self.stream_chunks(chat, messages, True, message_id)
-                events = messages_api_output.event_stream(chunks, message_id, model, _stream_error, body.max_tokens == 0)
+                events = messages_api_output.event_stream(chunks, message_id, model, _stream_error,
+                                                          warm_only=body.max_tokens == 0)
                 return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             whole = await self.whole_body(chat, messages, True, message_id)
         except OpenAIError as exc:

@@ -17,7 +17,8 @@ PING = sse_event("ping", {"type": "ping"})  # Anthropic's keep-alive
 
 def message_object(chat: dict, message_id: str, model: str, warm_only: bool = False) -> dict:
     """A whole chat completion as a message: its reasoning (the app's reasoning parser) as a thinking block, its text
-    as a text block, each tool call a tool_use block. `warm_only` (max_tokens 0): no content, only the prompt counted."""
+    as a text block, each tool call a tool_use block. `warm_only` (max_tokens 0): no content, only the prompt
+    counted."""
     choice = chat["choices"][0]
     reply = choice["message"]
     content = [_thinking_block(reply["reasoning"])] if reply.get("reasoning") else []
@@ -30,8 +31,8 @@ def message_object(chat: dict, message_id: str, model: str, warm_only: bool = Fa
 
 
 def _nothing_generated(chat_usage: dict) -> dict:
-    thinking = {"completion_tokens_details": {"reasoning_tokens": 0}} if "completion_tokens_details" in chat_usage else {}
-    return {**chat_usage, "completion_tokens": 0, **thinking}
+    thinking = {"reasoning_tokens": 0} if "completion_tokens_details" in chat_usage else None
+    return {**chat_usage, "completion_tokens": 0, **({"completion_tokens_details": thinking} if thinking else {})}
 
 
 def _message(message_id: str, model: str, content: list[dict], chat_usage: dict) -> dict:
@@ -140,8 +141,9 @@ class _Events:
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
-        events = [self._event("content_block_delta", delta={"type": "signature_delta",
-                                                             "signature": uuid.uuid4().hex})] if self.open == "thinking" else []
+        signed = self.open == "thinking"  # a thinking block ends with its signature
+        events = [self._event("content_block_delta", delta={"type": "signature_delta", "signature": uuid.uuid4().hex})
+                  ] if signed else []
         self.open = None
         return events + [self._event("content_block_stop")]
 

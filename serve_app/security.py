@@ -1,4 +1,5 @@
-"""Who may call what: the key (bearer or x-api-key) on every route but /health, and no unauthenticated exposure by accident."""
+"""Who may call what: the key (bearer or x-api-key) on every route but /health, and no unauthenticated exposure by
+accident."""
 from __future__ import annotations
 
 import hmac

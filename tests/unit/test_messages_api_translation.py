@@ -20,15 +20,15 @@ EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
 def request(**fields) -> MessagesRequest:
-    return MessagesRequest.model_validate({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}],
-                                          **fields})
+    return MessagesRequest.model_validate({"model": "m", "max_tokens": 9,
+                                          "messages": [{"role": "user", "content": "hi"}], **fields})
 
 
 def test_turns_become_chat_messages_with_tool_results_first_and_earlier_thinking_left_out():
     asked = request(system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use metric units."}],
                     tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True}, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Oslo?",
-                                                                               "cache_control": {"type": "ephemeral"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "},
+                                     {"type": "text", "text": "Oslo?", "cache_control": {"type": "ephemeral"}}]},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": "s"},
                                           {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                            "input": {"city": "Oslo"}}]},
@@ -154,13 +154,13 @@ def accumulated(events: list[tuple[str, dict]]) -> Message:
     return snapshot
 
 
-@pytest.mark.parametrize("finish,stop,reason,sequence", [("stop", None, "end_turn", None), ("stop", 2, "end_turn", None),
-                                                         ("stop", "\n\n", "stop_sequence", "\n\n"),
-                                                         ("length", None, "max_tokens", None),
-                                                         ("tool_calls", None, "tool_use", None)])
+@pytest.mark.parametrize("finish,stop,reason,sequence", [
+    ("stop", None, "end_turn", None), ("stop", 2, "end_turn", None), ("stop", "\n\n", "stop_sequence", "\n\n"),
+    ("length", None, "max_tokens", None), ("tool_calls", None, "tool_use", None)])
 def test_a_stream_accumulates_to_the_whole_message(finish, stop, reason, sequence):
-    chunks = [chunk({"role": "assistant", "content": ""}), None, chunk({"reasoning": "Hm, "}), chunk({"reasoning": "cold."}),
-              chunk({"content": "It is "}), chunk({"content": "4 C."}), chunk({"tool_calls": [CALL]}),
+    chunks = [chunk({"role": "assistant", "content": ""}), None, chunk({"reasoning": "Hm, "}),
+              chunk({"reasoning": "cold."}), chunk({"content": "It is "}), chunk({"content": "4 C."}),
+              chunk({"tool_calls": [CALL]}),
               chunk({}, finish, stop), chunk(None)]
     events = streamed(chunks)
     kinds = [kind for kind, _ in events]
