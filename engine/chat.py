@@ -100,6 +100,21 @@ def _content_text(content: Any, index: int, may_be_empty: bool) -> str:
 def render(tokenizer, messages: Messages, tools: list[dict] | None = None, options: ChatOptions = DEFAULT_OPTIONS) -> str:
     """Prompt text for normalized messages, ending where the assistant's answer begins (or, continuing, inside the
     last message)."""
+    return _apply(tokenizer, messages, tools, options, tokenize=False)
+
+
+def encode(tokenizer, messages: Messages, tools: list[dict] | None = None, options: ChatOptions = DEFAULT_OPTIONS,
+           sanitize: bool = True) -> list[int]:
+    """The prompt's token ids. With `sanitize`, a control token (a special token, or an added one the template writes,
+    such as `<|im_start|>`) inside the messages, tools or documents is encoded as the text it spells, so a client's
+    text cannot open a turn of another role (transformers' sanitize_control_tokens); without, as vLLM encodes it."""
+    if not sanitize:
+        return tokenizer.encode(render(tokenizer, messages, tools, options), add_special_tokens=False)
+    return list(_apply(tokenizer, messages, tools, options, tokenize=True, return_dict=False,
+                       sanitize_control_tokens=True))
+
+
+def _apply(tokenizer, messages: Messages, tools: list[dict] | None, options: ChatOptions, **how):
     template = options.template or tokenizer.chat_template or ""
     native_tools = "tools" in template
     if options.documents is not None and "documents" not in template:
@@ -112,7 +127,7 @@ def render(tokenizer, messages: Messages, tools: list[dict] | None = None, optio
     if tools and not native_tools:
         messages = _with_tools_in_system_prompt(messages, tools, options.tool_format)
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, tokenize=False,
+        return tokenizer.apply_chat_template(messages, tools=tools if native_tools else None, **how,
                                              documents=options.documents, chat_template=options.template,
                                              add_generation_prompt=options.add_generation_prompt,
                                              continue_final_message=options.continue_final_message,

@@ -132,6 +132,10 @@ class EngineConfig(BaseModel):
         "vLLM's --chat-template: the Jinja template chat requests render with in place of the tokenizer's (a model "
         "without one serves no chat), given as its text or as the path of a file holding it; a path is read when the "
         "config is made, so the text travels with the config to every replica"))
+    sanitize_control_tokens: bool = Field(default=True, description=(
+        "a control token (a special token, or an added one the chat template writes, such as <|im_start|>) inside a "
+        "chat's messages, tools or documents is encoded as the text it spells, so a client's or a third party's "
+        "text cannot open a turn of another role; false: encoded as the token, as vLLM does"))
     engine_process: bool = Field(default=False, description=(
         "AsyncLLMEngine and LLM run the core (scheduler, model, sampler) in a child process with its own interpreter "
         "lock, as vLLM's v1 does; False: in the caller's process (AsyncLLMEngine on a thread of its own, LLM on the "

@@ -4,6 +4,7 @@ which its owner calls from one thread."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Union
 
@@ -176,9 +177,10 @@ class InputProcessor:
         self._check_length(sum(len(m["content"]) for m in messages), "messages")
         for i, message in enumerate(messages):
             _check_unicode(message["content"], f"messages[{i}].content")
-        text = chat.render(self.tokenizer, messages, tools, options)
-        self._check_length(len(text), "messages")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # before the template renders and encodes them in one call: the tools and documents it writes out too
+        extra = len(json.dumps(tools or [])) + len(json.dumps(options.documents or []))
+        self._check_length(sum(len(m["content"]) for m in messages) + extra, "messages")
+        return chat.encode(self.tokenizer, messages, tools, options, self.config.sanitize_control_tokens)
 
     def _check_length(self, num_chars: int, param: str) -> None:
         """Before tokenizing: a text that cannot fit is refused without the cost of encoding it."""
