@@ -51,6 +51,7 @@ def test_a_message_is_the_chat_reply_whole_and_streamed(client, chat):
         final = stream.get_final_message()
     kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and kinds.count("content_block_start") == 1
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens  # known before the first token
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == whole.content[0].text
     assert texts(final) == texts(whole) and final.stop_reason == whole.stop_reason
     assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens,
