@@ -229,7 +229,7 @@ class Conversation(BaseModel):
         if self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice.chat_choice()
             body["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
-        if self.messages[-1].role == "assistant":  # a prefill: the reply continues it, as Anthropic's does
+        if self._prefilled():  # the reply continues it, as Anthropic's does
             body |= {"continue_final_message": True, "add_generation_prompt": False}
         budget = self.thinking_budget(parses_reasoning)
         if budget is not None:
@@ -237,6 +237,12 @@ class Conversation(BaseModel):
         if self.thinking is not None and self.thinking.display == "omitted":
             body["include_reasoning"] = False
         return body
+
+    def _prefilled(self) -> bool:
+        """A last assistant turn of text: the start of the reply (a turn with tool calls is a whole one)."""
+        last = self.messages[-1]
+        return last.role == "assistant" and (isinstance(last.content, str)
+                                             or not any(isinstance(b, ToolUseBlock) for b in last.content))
 
     def thinking_budget(self, parses_reasoning: bool) -> int | None:
         if self.thinking is None or self.thinking.type == "adaptive":

@@ -72,6 +72,9 @@ def test_a_last_assistant_turn_is_a_prefill_the_reply_continues():
     chat = prefilled.chat_request(False)
     assert chat.continue_final_message and not chat.add_generation_prompt
     assert request().chat_request(False).add_generation_prompt
+    called = request(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}])
+    assert called.chat_request(False).add_generation_prompt  # a turn of tool calls is whole: a new turn follows
 
 
 @pytest.mark.parametrize("fields,field", [
