@@ -20,6 +20,7 @@ from engine.host_memory import to_device
 from engine.model_runner import StepLogits
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.thinking_budget import ThinkingCountdown
 
 
 @dataclass
@@ -59,7 +60,13 @@ def flies(seq: Sequence) -> bool:
     return (progress.draws_from_logits_alone and seq.num_computed_tokens == len(seq) - 1 >= seq.num_prompt_tokens
             and progress.grammar is None and progress.pending_grammar is None
             and seq.num_output_tokens >= seq.params.min_tokens
-            and (progress.thinking is None or progress.thinking.free_tokens() >= 2))
+            and thinking_flies(progress.thinking))
+
+
+def thinking_flies(countdown: ThinkingCountdown | None) -> bool:
+    """Whether a thinking budget lets the row's step be launched before its last token is read: neither that token
+    nor the next can be forced, whatever that token is."""
+    return countdown is None or countdown.free_tokens() >= 2
 
 
 def next_input_ids(landing: InFlight, seqs: list[Sequence]) -> torch.Tensor:

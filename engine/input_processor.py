@@ -174,12 +174,13 @@ class InputProcessor:
 
     def _tokenize_chat(self, messages: Messages, tools: list[dict] | None, options: chat.ChatOptions) -> list[int]:
         messages = chat.normalize(messages)
-        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+        content = sum(len(m["content"]) for m in messages)
+        self._check_length(content, "messages")
         for i, message in enumerate(messages):
             _check_unicode(message["content"], f"messages[{i}].content")
         # before the template renders and encodes them in one call: the tools and documents it writes out too
         extra = len(json.dumps(tools or [])) + len(json.dumps(options.documents or []))
-        self._check_length(sum(len(m["content"]) for m in messages) + extra, "messages")
+        self._check_length(content + extra, "messages")
         return chat.encode(self.tokenizer, messages, tools, options, self.config.sanitize_control_tokens)
 
     def _check_length(self, num_chars: int, param: str) -> None:

@@ -291,8 +291,8 @@ class LLMEngine:
             return None
         grown, block_size = [], bm.block_size  # (row, blocks it takes): about one row in block_size a step
         for row, seq in enumerate(seqs):
-            length, thinking = len(seq.token_ids), seq.runtime.thinking
-            if length >= self.max_model_len or (thinking is not None and thinking.free_tokens() < 2):
+            length = len(seq.token_ids)
+            if length >= self.max_model_len or not async_scheduling.thinking_flies(seq.runtime.thinking):
                 return None
             if length >= len(seq.block_table) * block_size:  # position `length` lies past its last block
                 grown.append((row, bm.blocks_needed(length + 1) - len(seq.block_table)))

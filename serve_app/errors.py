@@ -28,7 +28,6 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return envelope(self.status, self.message, self.param, self.code)
 
-
     def response(self, scope: Scope | None = None) -> JSONResponse:
         """The error as the route that `scope` asked for answers: Anthropic's envelope on its Messages routes."""
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
