@@ -187,3 +187,5 @@ def test_drafts_are_verified_inside_a_section_short_of_its_forced_token(llm32, t
     assert drafted == [out.token_ids for out in llm32.generate([prompt] * 3, params, use_tqdm=False)]
     assert any(active and room > 0 for active, room in rooms), rooms
     assert engine.speculator.counters["spec_draft_tokens"] > 0
+    blocks = engine.scheduler.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
