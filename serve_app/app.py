@@ -20,8 +20,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     if args.topology == "colocated":
         return serve.deployment(ColocatedDeployment).options(name="EngineIngress", **replica_options(args)).bind(args)
-    replica = serve.deployment(EngineReplica).options(name="EngineReplica", **replica_options(args),
-                                                      **request_router(args))
+    replicas = [serve.deployment(EngineReplica).options(name=replica_deployment_name(model, first=not k),
+                                                        **replica_options(model), **request_router(model)).bind(model)
+                for k, model in enumerate(args.served_models)]
     ingress = serve.deployment(IngressDeployment).options(
         name="Ingress",
         ray_actor_options={"num_cpus": 0, "resources": args.ingress_resources},  # 0 CPUs: the engine replica must fit beside it
@@ -32,7 +33,13 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                             "target_ongoing_requests": INGRESS_TARGET_ONGOING},
         graceful_shutdown_timeout_s=args.drain_timeout_s,
     )
-    return ingress.bind(replica.bind(args), args)
+    return ingress.bind(replicas[0], args, replicas[1:])
+
+
+def replica_deployment_name(model: AppArgs, first: bool) -> str:
+    """The first model's engine replicas are `EngineReplica` (dashboards and alerts name it); another model's are
+    named for it, as Ray Serve LLM names its servers (`LLMServer:<model id>`, `/` as `--`)."""
+    return "EngineReplica" if first else "EngineReplica:" + model.model_name.replace("/", "--").replace("#", "_")
 
 
 def replica_options(args: AppArgs) -> dict[str, Any]:

@@ -18,7 +18,9 @@ from serve_app.reasoning import ReasoningParserName
 SERVING_ENGINE_DEFAULTS = {"max_waiting": 256, "max_tokens_limit": 4096, "engine_process": True}
 
 
-class AppArgs(BaseModel):
+class ModelArgs(BaseModel):
+    """One served model: its engine, the names it answers to, its parsers, and its replicas' placement and scaling.
+    An app serves the model its top-level args describe and, in `models`, any others, each on replicas of its own."""
     model_config = ConfigDict(extra="forbid")
 
     # the engine: every EngineConfig knob, set under `engine_config:` in a Serve config
@@ -58,6 +60,43 @@ class AppArgs(BaseModel):
         "cache likely holds it (serve_app/prefix_router.py). Split topology only: in colocated, Serve's proxy "
         "picks the replica before the body is read"))
     prefix_affinity: PrefixAffinityOptions = Field(default_factory=PrefixAffinityOptions)
+
+    @field_validator("engine_config", mode="before")
+    @classmethod
+    def _serving_defaults(cls, value):
+        return {**SERVING_ENGINE_DEFAULTS, **value} if isinstance(value, dict) else value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names_apart(cls, value):
+        """One name or several, kept as a list."""
+        names = [value] if isinstance(value, str) else value
+        if names is not None and (not names or not all(names) or len(set(names)) != len(names)):
+            raise ValueError("served_model_name: one or more distinct, non-empty names")
+        return names
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the base model is served as, the first foremost."""
+        return self.served_model_name or [PurePath(self.engine_config.model).name]
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        # every running and queued request holds a streaming call open on the replica
+        return self.engine_config.max_num_seqs + (self.engine_config.max_waiting or 0) + 32  # so the engine, not Serve, answers overload
+
+
+class AppArgs(ModelArgs):
+    """The app's args: the first model (ModelArgs' fields), the others in `models`, and what the server does for all."""
+
+    models: list[ModelArgs] = Field(default_factory=list, description=(
+        "more models, as Ray Serve LLM's llm_configs: each on engine replicas of its own (deployment "
+        "EngineReplica:<its name>), placed and scaled by its own fields, behind the one ingress, which routes a "
+        "request by its `model`; with several, a request must name one. Split topology only"))
     ingress_min_replicas: int = Field(default=1, ge=1)
     ingress_max_replicas: int = Field(default=2, ge=1)
     ingress_resources: dict[str, float] = Field(default_factory=dict,
@@ -94,20 +133,6 @@ class AppArgs(BaseModel):
     max_n: int = Field(default=8, ge=1, description="choices per request (OpenAI's n); each is an engine request")
     log_prompts: bool = Field(default=False, description="debug only: prompts and completions in logs")
 
-    @field_validator("engine_config", mode="before")
-    @classmethod
-    def _serving_defaults(cls, value):
-        return {**SERVING_ENGINE_DEFAULTS, **value} if isinstance(value, dict) else value
-
-    @field_validator("served_model_name")
-    @classmethod
-    def _names_apart(cls, value):
-        """One name or several, kept as a list."""
-        names = [value] if isinstance(value, str) else value
-        if names is not None and (not names or not all(names) or len(set(names)) != len(names)):
-            raise ValueError("served_model_name: one or more distinct, non-empty names")
-        return names
-
     @model_validator(mode="after")
     def _router_needs_split(self):
         if self.request_router == "prefix_affinity" and self.topology != "split":
@@ -115,25 +140,36 @@ class AppArgs(BaseModel):
                              "routes a request before its body, and so its prompt, is read)")
         return self
 
+    @model_validator(mode="after")
+    def _models_apart(self):
+        """Several models need the split topology's ingress to route between them, and names that say which one."""
+        if self.models and self.topology != "split":
+            raise ValueError("models: several models need topology: split (a colocated replica serves one engine)")
+        names = [name for model in self.served_models for name in model.model_names + _adapter_names(model)]
+        if len(set(names)) != len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(f"models: each model and LoRA adapter needs a name of its own; {twice} name more than "
+                             "one (served_model_name tells models of the same path apart)")
+        return self
+
+    @property
+    def served_models(self) -> list[AppArgs]:
+        """Each model's args, the app's first: its own fields with the app's server-wide ones, as its replicas and
+        the ingress's route to it read them."""
+        first = self.model_copy(update={"models": []})
+        return [first] + [first.model_copy(update={name: getattr(model, name) for name in ModelArgs.model_fields})
+                          for model in self.models]
+
     @property
     def drain_timeout_s(self) -> float:
         if self.graceful_shutdown_timeout_s is not None:
             return self.graceful_shutdown_timeout_s
         return self.request_timeout_s + 10
 
-    @property
-    def model_name(self) -> str:
-        return self.model_names[0]
 
-    @property
-    def model_names(self) -> list[str]:
-        """Every name the base model is served as, the first foremost."""
-        return self.served_model_name or [PurePath(self.engine_config.model).name]
 
-    @property
-    def replica_max_ongoing_requests(self) -> int:
-        # every running and queued request holds a streaming call open on the replica
-        return self.engine_config.max_num_seqs + (self.engine_config.max_waiting or 0) + 32  # so the engine, not Serve, answers overload
+def _adapter_names(model: ModelArgs) -> list[str]:
+    return [module.name for module in model.engine_config.lora_modules]
 
 
 def shipped_app_args() -> AppArgs:

@@ -13,7 +13,7 @@ FRONT_END_TEXT = ("engine.detokenizer", "engine.input_processor", "engine.output
 TORCH_FREE = ("engine.scheduler", "engine.block_manager", "engine.sequence", "engine.sampling_params",
               "engine.config", "engine.errors", "engine.speculative", "engine.request_inbox", "engine.tool_calls",
               "engine.admission", "engine.engine_stats", "engine.thinking_budget", "engine.repetition",
-              "engine.prompt_part", "serve_app.ingress", "serve_app.replica", "serve_app.protocol")
+              "engine.prompt_part", "serve_app.ingress", "serve_app.model_front", "serve_app.replica", "serve_app.protocol")
 
 
 def project_modules() -> dict[str, Path]:

@@ -113,3 +113,35 @@ def test_served_model_names_are_one_or_more_distinct_names():
     for bad in ([], ["a", "a"], ["a", ""]):
         with pytest.raises(ValueError, match="served_model_name: one or more distinct, non-empty names"):
             AppArgs(served_model_name=bad)
+
+
+def test_each_served_model_has_its_own_fields_and_the_apps_server_wide_ones():
+    args = AppArgs(served_model_name="small", num_cpus=2, request_timeout_s=99, api_key="k",
+                   models=[{"engine_config": {"model": "org/big-model", "max_num_seqs": 8}, "num_gpus": 1,
+                            "reasoning_parser": "qwen3"}])
+    first, second = args.served_models
+    assert (first.model_name, first.num_cpus, first.num_gpus, first.reasoning_parser) == ("small", 2, 0, None)
+    assert (second.model_name, second.num_cpus, second.num_gpus, second.reasoning_parser) == ("big-model", 1, 1, "qwen3")
+    assert second.engine_config.max_num_seqs == 8 and second.engine_config.max_waiting == 256  # serving defaults too
+    assert (second.request_timeout_s, second.api_key) == (99, "k") and first.models == second.models == []
+    build_app(args)
+
+
+def test_several_models_need_names_of_their_own_and_the_split_topology():
+    with pytest.raises(ValueError, match=r"\['SmolLM2-135M-Instruct'\] name more than one"):
+        AppArgs(models=[{}])
+    with pytest.raises(ValueError, match=r"\['shared'\] name more than one"):  # an adapter's name is a model's too
+        AppArgs(served_model_name="shared", models=[{"served_model_name": "other", "engine_config": {
+            "lora_modules": [{"name": "shared", "path": "/adapters/shared"}]}}])
+    with pytest.raises(ValueError, match="topology: split"):
+        AppArgs(topology="colocated", models=[{"served_model_name": "other"}])
+    with pytest.raises(ValueError, match="extra"):
+        AppArgs(models=[{"served_model_name": "other", "api_key": "k"}])  # server-wide fields are the app's alone
+
+
+def test_another_models_replicas_are_named_for_it_as_ray_serve_llm_names_its_servers():
+    from serve_app.app import replica_deployment_name
+
+    first, second = AppArgs(models=[{"served_model_name": "Qwen/Qwen2.5-1.5B"}]).served_models
+    assert replica_deployment_name(first, first=True) == "EngineReplica"
+    assert replica_deployment_name(second, first=False) == "EngineReplica:Qwen--Qwen2.5-1.5B"
