@@ -240,9 +240,8 @@ class Conversation(BaseModel):
 
     def _prefilled(self) -> bool:
         """A last assistant turn of text: the start of the reply (a turn with tool calls is a whole one)."""
-        last = self.messages[-1]
-        return last.role == "assistant" and (isinstance(last.content, str)
-                                             or not any(isinstance(b, ToolUseBlock) for b in last.content))
+        _, last = _combined_turns(self.messages)[-1]
+        return last.role == "assistant" and not any(isinstance(b, ToolUseBlock) for b in _blocks(last))
 
     def thinking_budget(self, parses_reasoning: bool) -> int | None:
         if self.thinking is None or self.thinking.type == "adaptive":
@@ -259,12 +258,13 @@ class Conversation(BaseModel):
             raise self.renamed(OpenAIError(400, *describe_validation_error(exc))) from None
 
     def _chat_messages(self) -> list[dict]:
-        """The system prompt first; a user turn's tool results as tool messages before its text; an assistant turn's
-        tool_use blocks as its tool calls. Earlier thinking is left out, as Anthropic leaves it out."""
+        """The system prompt first; consecutive turns of one role as one turn, as Anthropic's API combines them; a
+        user turn's tool results as tool messages before its text; an assistant turn's tool_use blocks as its tool
+        calls. Earlier thinking is left out, as Anthropic leaves it out."""
         system = self.system if isinstance(self.system, str) else "\n".join(
             b.text for b in self.system or () if not b.text.startswith(BILLING_HEADER))
         messages, self._origins = ([{"role": "system", "content": system}], [None]) if system else ([], [])
-        for k, message in enumerate(self.messages):
+        for k, message in _combined_turns(self.messages):
             for chat in _chat_turn(message):
                 messages.append(chat)
                 self._origins.append(k)
@@ -296,13 +296,30 @@ CHAT_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "max_tokens": "max_to
                     "user": "metadata.user_id", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
+def _combined_turns(messages: list[Message]) -> list[tuple[int, Message]]:
+    """Consecutive turns of one role as one turn of all their blocks, each with the index of its first turn."""
+    turns: list[tuple[int, Message]] = []
+    for k, message in enumerate(messages):
+        if turns and turns[-1][1].role == message.role:
+            first, earlier = turns[-1]
+            turns[-1] = (first, earlier.model_copy(update={"content": _blocks(earlier) + _blocks(message)}))
+        else:
+            turns.append((k, message))
+    return turns
+
+
+def _blocks(message: Message) -> list:
+    return [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+
+
 def _chat_turn(message: Message) -> list[dict]:
-    """One Messages turn as chat messages."""
+    """One Messages turn as chat messages; its text blocks joined by newlines, as vLLM and the chat route join a
+    message's text parts."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                for b in message.content if isinstance(b, ToolResultBlock)]
-    text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
+    text = "\n".join(b.text for b in message.content if isinstance(b, TextBlock))
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
              for b in message.content if isinstance(b, ToolUseBlock)]
     if calls:  # an assistant's (Message checks each block's role)

@@ -39,7 +39,7 @@ def test_turns_become_chat_messages_with_tool_results_first_and_earlier_thinking
         {"role": "system", "content": "Answer in one word."}], stop_sequences=["\n\n"], top_k=5)
     chat = asked.chat_request(parses_reasoning=False)
     turns = [(m.role, m.content, m.tool_call_id) for m in chat.messages]
-    assert turns == [("system", "Be brief.\nUse metric units.", None), ("user", "Weather in Oslo?", None),
+    assert turns == [("system", "Be brief.\nUse metric units.", None), ("user", "Weather in \nOslo?", None),
                      ("assistant", None, None), ("tool", "4 C", "toolu_1"), ("tool", "Error: timed out", "toolu_2"),
                      ("user", "And tomorrow?", None), ("system", "Answer in one word.", None)]
     call = chat.messages[2].tool_calls[0]
@@ -55,7 +55,28 @@ def test_claude_codes_own_roles_are_the_users_and_its_billing_header_is_left_out
                             {"type": "text", "text": "You are Claude Code."}],
                     messages=[{"role": "ctx", "content": "cwd: /repo"}, {"role": "msg", "content": "fix the bug"}])
     turns = [(m.role, m.content) for m in asked.chat_request(False).messages]
-    assert turns == [("system", "You are Claude Code."), ("user", "cwd: /repo"), ("user", "fix the bug")]
+    assert turns == [("system", "You are Claude Code."), ("user", "cwd: /repo\nfix the bug")]  # one user turn
+
+
+def test_consecutive_turns_of_one_role_are_one_turn_as_anthropics_api_combines_them():
+    asked = request(messages=[
+        {"role": "user", "content": "Plan a trip."}, {"role": "user", "content": [{"type": "text", "text": "To Oslo."}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "4 C"}]},
+        {"role": "user", "content": "Pack for it."},
+        {"role": "assistant", "content": "Pack"}, {"role": "assistant", "content": [{"type": "text", "text": "a coat"}]}],
+        tools=[WEATHER])
+    chat = asked.chat_request(parses_reasoning=False)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("user", "Plan a trip.\nTo Oslo."), ("assistant", None), ("tool", "4 C"), ("user", "Pack for it."),
+        ("assistant", "Pack\na coat")]
+    assert chat.continue_final_message and not chat.add_generation_prompt  # the combined last turn is the prefill
+    assert asked._origins == [0, 2, 3, 3, 5]  # each chat message's first Messages turn, for renamed refusals
+    called_last = request(messages=[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "assistant", "content": "Checking."}], tools=[WEATHER]).chat_request(parses_reasoning=False)
+    assert not called_last.continue_final_message  # one turn with a tool call: whole, not a prefill
 
 
 def test_thinking_options_become_a_budget_only_where_the_app_parses_thinking():
