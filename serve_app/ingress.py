@@ -44,7 +44,7 @@ class Ingress:
         """`replica` serves the app's first model, `more_replicas[k]` its `models[k]`."""
         refuse_exposure(args)
         self.args = args
-        self.fronts = [ModelFront(RemoteReplica(r) if isinstance(r, DeploymentHandle) else r, model)
+        self.fronts = [ModelFront(_client(r, model), model)
                        for r, model in zip([replica, *more_replicas], args.served_models, strict=True)]
         freeze_gc_heap()
 
@@ -91,6 +91,12 @@ class Ingress:
         names = " or ".join(repr(name) for front in self.fronts for name in front.args.model_names)
         adapters = [name for front in self.fronts for name in front.adapters]
         return names + (f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else "")
+
+def _client(replica: DeploymentHandle | ReplicaClient, model: AppArgs) -> ReplicaClient:
+    if not isinstance(replica, DeploymentHandle):
+        return replica
+    return RemoteReplica(replica, frozenset(module.name for module in model.engine_config.lora_modules))
+
 
 @functools.cache  # a scan of the installed distributions' metadata: once a process
 def server_version() -> str:

@@ -20,6 +20,7 @@ from engine.async_engine import RequestStream
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from engine.metrics import StepMetrics
 from engine.step_stats import freeze_gc_heap
+from serve_app.adapter_affinity import adapter_record
 from serve_app.aio import all_or_none
 from serve_app.autoscaling import ReplicaSignals
 from serve_app.config import AppArgs
@@ -60,6 +61,9 @@ class EngineReplica:
         self.frontend.attach_metrics(StepMetrics(RaySink(), args.model_name))  # after warm-up: it is not traffic
         self.frontend.start()
         self.signals = ReplicaSignals()  # what the engine-signal autoscaling policy reads (serve_app/autoscaling.py)
+        engine = args.engine_config  # the adapters it loads on demand, told to Serve's router (adapter_affinity.py)
+        self._hold_adapter = adapter_record(engine.max_loras) if engine.lora_root is not None else None
+        self._loaded_at_start = {module.name for module in engine.lora_modules}
         self.model_info = {"max_model_len": self.frontend.max_model_len, "model": args.model_name,
                            "engine": self.frontend.settings,
                            "sampling_defaults": self.frontend.inputs.limits.sampling_defaults}
@@ -149,6 +153,13 @@ class EngineReplica:
                 self.frontend.abort_now(stream.request_id)
             return _refusal(exc, job)
 
+    async def _holds_adapter(self, lora_name: str | None) -> None:
+        """Tell Serve this replica holds `lora_name`, an adapter under lora_root that a request runs here (one
+        that is not there is never recorded: hostile names cannot push real ones out of the record)."""
+        if (self._hold_adapter is not None and lora_name is not None and lora_name not in self._loaded_at_start
+                and self.args.engine_config.lora_path(lora_name) is not None):
+            await self._hold_adapter(lora_name)
+
     async def _admitted(self, job: GenerationJob) -> tuple[list[RequestStream], list[int]] | Refused:
         """The job's admission. A caller that goes meanwhile (a client's disconnect cancels us) does not stop its
         batch, which enqueues the job anyway: its requests are aborted once enqueued, or they would run to
@@ -174,6 +185,7 @@ class EngineReplica:
             yield admitted
             return
         streams, prompt_ids = admitted
+        await self._holds_adapter(job.lora_name)
         if self.args.log_prompts:
             log.info("request %s prompt=%r", job.request_id, job.prompt)
         try:
@@ -250,6 +262,7 @@ class EngineReplica:
                 finally:
                     await stream.aclose()
 
+        await self._holds_adapter(job.lora_name)
         try:
             vectors = await all_or_none([one(ids) for ids in prompts])  # a cancelled one's stream aborts
         except Exception as exc:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.adapter_affinity import routed
 from serve_app.app_deletion import AppDeletion
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from serve_app.protocol import EmbeddingJob, Embeddings, GenerationJob, Refused, ReplicaStats, Tokens
@@ -47,8 +48,9 @@ class ReplicaClient(Protocol):
 class RemoteReplica:
     """Replicas of the EngineReplica deployment, picked by Serve's router; every message a Ray message."""
 
-    def __init__(self, handle: DeploymentHandle):
+    def __init__(self, handle: DeploymentHandle, loaded_everywhere: frozenset[str] = frozenset()):
         self.handle = handle
+        self.loaded_everywhere = loaded_everywhere  # adapters every replica loads at start (lora_modules)
         self._app_deletion = AppDeletion()
 
     async def stats(self) -> ReplicaStats:
@@ -65,10 +67,10 @@ class RemoteReplica:
         return await self.handle.detokenize.remote(tokens)
 
     def generate(self, job: GenerationJob) -> ReplicaStream:
-        return self.handle.options(stream=True).generate.remote(job)
+        return routed(self.handle, job.lora_name, self.loaded_everywhere).options(stream=True).generate.remote(job)
 
     async def embed(self, job: EmbeddingJob) -> Embeddings | Refused:
-        return await self.handle.embed.remote(job)
+        return await routed(self.handle, job.lora_name, self.loaded_everywhere).embed.remote(job)
 
     async def unroutable(self) -> bool:
         return await self._app_deletion.deleting()

@@ -2,12 +2,17 @@
 replicas: every turn of a conversation lands on the replica whose prefix cache holds the turns before it, whichever
 ingress replica routes it. Under Serve's default router each later turn finds its history with a chance of about one
 half, so ten later turns all finding it would happen once in 1,024 runs; without the ingress replicas sharing what
-they routed, a turn that reaches the other ingress replica finds it as often."""
+they routed, a turn that reaches the other ingress replica finds it as often. The same app loads LoRA adapters on
+demand (`lora_root`): each adapter's requests go to the replica that holds it (serve_app/adapter_affinity.py)."""
+import re
+import shutil
 import time
 
 import httpx
 import pytest
 
+from engine.config import DEFAULT_MODEL
+from tests.fixtures.lora_adapters import make_adapter
 from tests.serve.conftest import wait_idle, whole_app
 
 pytestmark = pytest.mark.slow
@@ -17,13 +22,24 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs each evening, counti
 CONVERSATIONS, TURNS = 5, 3  # odd: HAProxy's leastconn takes idle ingress replicas in turn, so a conversation's
                              # consecutive turns reach different ingress replicas
 APP, SHARE_PERIOD_S = "affinity", 0.1  # how often the ingress replicas exchange what they routed (0.5 s by default)
+ADAPTERS = ("pirate-a", "pirate-b")  # one adapter's copies under lora_root, loaded when first named
 
 
 @pytest.fixture(scope="module")
-def two_replicas(serve_app):
+def lora_root(tmp_path_factory) -> str:
+    adapter = make_adapter(DEFAULT_MODEL, tmp_path_factory.mktemp("adapter") / "pirate", 7, b_std=0.02, r=8,
+                           lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    root = tmp_path_factory.mktemp("lora-root")
+    for name in ADAPTERS:
+        shutil.copytree(adapter, root / name)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(serve_app, lora_root):
     from ray import serve
 
-    engine = {**serve_app["args"]["engine_config"], "num_threads": 1}
+    engine = {**serve_app["args"]["engine_config"], "num_threads": 1, "lora_root": lora_root}
     with whole_app(serve_app, APP, kill_on_exit=True, request_router="prefix_affinity", min_replicas=2,
                    max_replicas=2, ingress_min_replicas=2, num_cpus=0, report_cached_tokens=True, engine_config=engine,
                    prefix_affinity={"share_period_s": SHARE_PERIOD_S}) as base:
@@ -107,6 +123,40 @@ def test_each_conversation_stays_on_the_replica_holding_its_history(two_replicas
     # finished a conversation's turn is often the less busy one, which makes Serve's default look sticky)
     for usage in converse(two_replicas, auth, new_conversations("First"), TURNS):
         assert_history_found(usage)
+
+
+def test_each_adapters_requests_go_to_the_replica_holding_it(two_replicas, auth, serve_app):
+    """Requests on two adapters loaded on demand, one at a time and alternating, every replica idle when each is
+    routed: under Serve's default router each would land on either replica, so both replicas would load both
+    adapters (each adapter's four requests all on one replica: one run in 64). Here each adapter's requests all
+    reach one replica, and the second adapter, routed while the first is held, goes to the replica holding fewer."""
+    with httpx.Client(base_url=two_replicas, headers=auth, timeout=120) as http:
+        for round_ in range(4):
+            for name in ADAPTERS:
+                body = {"model": name, "prompt": f"Round {round_}: the sea", "max_tokens": 2, "temperature": 0}
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+    counts = lora_requests_by_replica(serve_app["metrics_port"], total=2 * 4)
+    assert all(len(counts[name]) == 1 for name in ADAPTERS), counts
+    assert set(counts[ADAPTERS[0]]) != set(counts[ADAPTERS[1]]), counts
+
+
+def lora_requests_by_replica(metrics_port: int, total: int) -> dict[str, dict[str, float]]:
+    """This app's requests on each adapter, by the replica that served them, from the replicas' own counters as Ray
+    exports them; once they add up to `total` (the export lags a second or so)."""
+    series = re.compile(r'^ray_engine_lora_requests_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
+    deadline = time.monotonic() + 30
+    while True:
+        counts: dict[str, dict[str, float]] = {}
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        for labels, value in series.findall(text):
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if tags.get("application") == APP and float(value) > 0:
+                counts.setdefault(tags["lora_name"], {})[tags["replica"]] = float(value)
+        if sum(v for by_replica in counts.values() for v in by_replica.values()) >= total:
+            return counts
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.5)
 
 
 def test_conversations_on_a_replica_that_dies_carry_on_elsewhere(two_replicas, auth):
