@@ -45,7 +45,8 @@ def replica_deployment_name(model: AppArgs, first: bool) -> str:
 def replica_options(args: AppArgs) -> dict[str, Any]:
     """An engine replica's deployment options, whether it serves HTTP itself (colocated) or not."""
     return dict(
-        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus,
+                           **({"accelerator_type": args.accelerator_type} if args.accelerator_type else {})},
         max_ongoing_requests=args.replica_max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         backpressure_config=backpressure(args),

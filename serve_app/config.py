@@ -40,6 +40,9 @@ class ModelArgs(BaseModel):
     # placement and scaling
     num_gpus: float = Field(default=0, ge=0, description="per engine replica; 1 on a GPU cluster")
     num_cpus: float = Field(default=1, ge=0, description="per engine replica (logical CPUs Ray reserves)")
+    accelerator_type: str | None = Field(default=None, description=(
+        "Ray Serve LLM's: the GPU kind this model's replicas run on, as Ray names it (H100, A100-80G, L4, ...), "
+        "so models of different sizes land on different GPU nodes; None: any GPU"))
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=1, ge=1)
     target_ongoing_requests: float | None = Field(default=None, gt=0, description="default: max_num_seqs")
@@ -74,6 +77,20 @@ class ModelArgs(BaseModel):
         if names is not None and (not names or not all(names) or len(set(names)) != len(names)):
             raise ValueError("served_model_name: one or more distinct, non-empty names")
         return names
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _known_accelerator(cls, value):
+        if value is not None and value not in ray_accelerator_types():
+            raise ValueError(f"accelerator_type: {value!r} is not an accelerator type Ray knows "
+                             f"({', '.join(sorted(ray_accelerator_types()))})")
+        return value
+
+    @model_validator(mode="after")
+    def _accelerator_needs_gpus(self):
+        if self.accelerator_type is not None and not self.num_gpus:
+            raise ValueError("accelerator_type: the replicas ask for no GPU (num_gpus: 0)")
+        return self
 
     @property
     def model_name(self) -> str:
@@ -166,6 +183,12 @@ class AppArgs(ModelArgs):
             return self.graceful_shutdown_timeout_s
         return self.request_timeout_s + 10
 
+
+
+def ray_accelerator_types() -> set[str]:
+    from ray.util.accelerators import accelerators  # the names Ray's nodes advertise as `accelerator_type:<name>`
+
+    return {value for name, value in vars(accelerators).items() if name.isupper() and isinstance(value, str)}
 
 
 def _adapter_names(model: ModelArgs) -> list[str]:

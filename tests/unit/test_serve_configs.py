@@ -145,3 +145,18 @@ def test_another_models_replicas_are_named_for_it_as_ray_serve_llm_names_its_ser
     first, second = AppArgs(models=[{"served_model_name": "Qwen/Qwen2.5-1.5B"}]).served_models
     assert replica_deployment_name(first, first=True) == "EngineReplica"
     assert replica_deployment_name(second, first=False) == "EngineReplica:Qwen--Qwen2.5-1.5B"
+
+
+def test_a_models_replicas_can_ask_for_a_kind_of_gpu_as_ray_serve_llm_places_them():
+    from serve_app.app import replica_options
+
+    args = AppArgs(num_gpus=1, accelerator_type="L4", models=[{"served_model_name": "big", "num_gpus": 1,
+                                                               "accelerator_type": "H200"}])
+    first, second = (replica_options(model)["ray_actor_options"] for model in args.served_models)
+    assert first == {"num_cpus": 1, "num_gpus": 1, "accelerator_type": "L4"}
+    assert second["accelerator_type"] == "H200" and "accelerator_type" not in replica_options(AppArgs())["ray_actor_options"]
+    build_app(args)
+    with pytest.raises(ValueError, match="not an accelerator type Ray knows"):
+        AppArgs(num_gpus=1, accelerator_type="H100-SXM")
+    with pytest.raises(ValueError, match="num_gpus: 0"):
+        AppArgs(accelerator_type="H100")
