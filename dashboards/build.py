@@ -146,6 +146,12 @@ def per_replica() -> Dashboard:
               description="Share of steps launched before the step before them was read (async_scheduling: true), so "
                           "the host's work overlapped the GPU's; logprobs, penalties, bias, grammars, new arrivals and "
                           "prefills land a step first (0: async scheduling off, or no step could fly)"),
+        # the counter exists only after a first adapter loaded from lora_root
+        panel("LoRA adapter loads/s", "short", [Query(
+            f"{rate('ray_engine_lora_loads_total', 'replica', labels)} or vector(0)", "{{replica}}")], 0, 48,
+              description="Adapters read from lora_root and put on the model; a steady rate is replicas taking turns "
+                          "with more adapters than max_loras holds: raise it, or add replicas (in split, an adapter's "
+                          "requests go to a replica holding it)"),
     ]
     for p in panels:
         d = d.with_panel(p)

@@ -24,6 +24,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # found: in cached blocks, or in a tail block copied
     prefix_cache_evictions: int = 0
+    lora_loads: int = 0  # lora_root adapters read and installed, each time again after being dropped
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -496,6 +496,7 @@ class LLMEngine:
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_evictions=bm.prefix_cache_evictions, num_preemptions=self.scheduler.num_preemptions,
+            lora_loads=self.loras.num_loads if self.loras is not None else 0,
             consecutive_failed_steps=self.consecutive_failed_steps, metrics_share_of_step=self.metrics_share_of_step,
             **self.counters, **(self.speculator.counters if self.speculator is not None else {}),
             **stats_of(self.phases, self.gc_pauses, self.resident_memory))

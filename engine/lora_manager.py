@@ -39,6 +39,7 @@ class LoRAManager:
         for module in config.lora_modules:
             self._install(prepare_adapter(model, module, config.max_lora_rank), module.name)
         self.loading: dict[str, Future] = {}
+        self.num_loads = 0  # lora_root adapters installed, each time again after being dropped
         self._loader: ThreadPoolExecutor | None = None
 
     def use(self, name: str) -> str:
@@ -64,6 +65,7 @@ class LoRAManager:
                 self.drop_idle(in_use, room_for=1)
                 self._install(adapter, key)
                 results[name] = None
+                self.num_loads += 1
                 log.info("loaded LoRA adapter %s (rank %d)", name, self.adapters[name].rank)
             except EngineInputError as exc:
                 results[name] = exc

@@ -69,12 +69,13 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("engine_resident_memory_bytes", "gauge", "Resident memory of the engine's process"),
     Metric("engine_lora_requests", "counter", "Requests on a LoRA adapter, counted at their first token", ("lora_name",)),
     Metric("engine_lora_generation_tokens", "counter", "Tokens generated on a LoRA adapter", ("lora_name",)),
+    Metric("engine_lora_loads", "counter", "LoRA adapters loaded from lora_root, each time again after being dropped"),
 ]}
 # counter -> the EngineStats field that holds its running total
 COUNTER_SOURCES = {"engine_prompt_tokens": "prompt_tokens", "engine_generation_tokens": "generation_tokens",
                    "engine_prefix_cache_queries": "prefix_cache_queries", "engine_prefix_cache_hits": "prefix_cache_hits",
                    "engine_num_preemptions": "num_preemptions", "engine_steps": "num_steps",
-                   "engine_steps_launched_ahead": "num_steps_ahead",
+                   "engine_steps_launched_ahead": "num_steps_ahead", "engine_lora_loads": "lora_loads",
                    "engine_spec_decode_num_drafts": "spec_drafts", "engine_spec_decode_num_draft_tokens": "spec_draft_tokens",
                    "engine_spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
 # labelled counter -> (its label, the EngineStats field holding the running totals by label value, the values)

@@ -306,6 +306,7 @@ def test_adapters_under_lora_root_load_on_first_use_and_idle_ones_go_past_max_lo
     assert llm.engine.settings()["lora_adapters"] == "attention-qv"
     check(["all-linears", None] * 3)
     assert llm.engine.settings()["lora_adapters"] == "all-linears"
+    assert llm.engine.stats().lora_loads in (3, 4)  # each first use, and all-linears again (twice if it went early)
     for name in ("nope", "../llama-hd64-all-linears", ".hidden"):
         with pytest.raises(EngineInputError, match="not a LoRA adapter of this engine") as error:
             llm.generate(["hello"], params, use_tqdm=False, lora_name=name)

@@ -35,6 +35,8 @@ CONTRACT = {
     "engine_lora_requests_total": "counter", "engine_lora_generation_tokens_total": "counter",
     # added 2026-11-29 (kv_cache_dtype), to be written into design.md section 5
     "engine_cache_config_info": "gauge",
+    # added 2026-12-07 (adapter affinity: how often adapters load), to be written into design.md section 5
+    "engine_lora_loads_total": "counter",
 }
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
@@ -107,7 +109,7 @@ def test_every_contract_metric_is_exported_with_model_name():
     metrics.finished(0.0, 0.3, "stop")
     stats = idle_stats(num_running=1, num_waiting=2, kv_blocks_free=3, kv_blocks_total=4, prompt_tokens=5,
                        generation_tokens=2, prefix_cache_queries=5, prefix_cache_hits=1, num_preemptions=1, num_steps=2,
-                       num_steps_ahead=1,
+                       num_steps_ahead=1, lora_loads=2,
                        spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=3, resident_bytes=2**20,
                        gc_collections={0: 1}, gc_pause_seconds={0: 0.001}, step_seconds=dict.fromkeys(PHASES, 0.5))
     metrics.cache_config = {"kv_cache_dtype": "float8_e4m3fn", "block_size": "16"}  # as an engine attaching sets it
