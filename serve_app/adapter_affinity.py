@@ -23,8 +23,9 @@ def adapter_record(capacity: int) -> Callable[[str], Awaitable[str]]:
     return serve.multiplexed(max_num_models_per_replica=capacity)(hold)
 
 
-def routed(handle: DeploymentHandle, lora_name: str | None, everywhere: frozenset[str]) -> DeploymentHandle:
-    """The handle for a call on `lora_name`: to a replica holding it where it is loaded on demand."""
-    if lora_name is None or lora_name in everywhere:
+def routed(handle: DeploymentHandle, lora_name: str | None, everywhere: frozenset[str] | None) -> DeploymentHandle:
+    """The handle for a call on `lora_name`: to a replica holding it where it is loaded on demand (not in
+    `everywhere`); None: no affinity at all (the app's `adapter_affinity: false`)."""
+    if lora_name is None or everywhere is None or lora_name in everywhere:
         return handle
     return handle.options(multiplexed_model_id=lora_name)

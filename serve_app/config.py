@@ -63,6 +63,10 @@ class ModelArgs(BaseModel):
         "cache likely holds it (serve_app/prefix_router.py). Split topology only: in colocated, Serve's proxy "
         "picks the replica before the body is read"))
     prefix_affinity: PrefixAffinityOptions = Field(default_factory=PrefixAffinityOptions)
+    adapter_affinity: bool = Field(default=True, description=(
+        "split topology: a request on a LoRA adapter loaded on demand (lora_root) goes to a replica that holds it, "
+        "as Ray Serve LLM routes LoRA requests (serve_app/adapter_affinity.py); False: as any other request, which "
+        "spreads one hot adapter's load over every replica at the cost of each loading it"))
 
     @field_validator("engine_config", mode="before")
     @classmethod

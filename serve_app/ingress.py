@@ -95,7 +95,9 @@ class Ingress:
 def _client(replica: DeploymentHandle | ReplicaClient, model: AppArgs) -> ReplicaClient:
     if not isinstance(replica, DeploymentHandle):
         return replica
-    return RemoteReplica(replica, frozenset(module.name for module in model.engine_config.lora_modules))
+    if not model.adapter_affinity:
+        return RemoteReplica(replica)
+    return RemoteReplica(replica, adapter_routes=frozenset(module.name for module in model.engine_config.lora_modules))
 
 
 @functools.cache  # a scan of the installed distributions' metadata: once a process

@@ -48,9 +48,11 @@ class ReplicaClient(Protocol):
 class RemoteReplica:
     """Replicas of the EngineReplica deployment, picked by Serve's router; every message a Ray message."""
 
-    def __init__(self, handle: DeploymentHandle, loaded_everywhere: frozenset[str] = frozenset()):
+    def __init__(self, handle: DeploymentHandle, adapter_routes: frozenset[str] | None = None):
         self.handle = handle
-        self.loaded_everywhere = loaded_everywhere  # adapters every replica loads at start (lora_modules)
+        # None: adapters route as the base model; else the adapters every replica loads at start (lora_modules),
+        # which do, while the others go to a replica holding them (adapter_affinity.py)
+        self.adapter_routes = adapter_routes
         self._app_deletion = AppDeletion()
 
     async def stats(self) -> ReplicaStats:
@@ -67,10 +69,10 @@ class RemoteReplica:
         return await self.handle.detokenize.remote(tokens)
 
     def generate(self, job: GenerationJob) -> ReplicaStream:
-        return routed(self.handle, job.lora_name, self.loaded_everywhere).options(stream=True).generate.remote(job)
+        return routed(self.handle, job.lora_name, self.adapter_routes).options(stream=True).generate.remote(job)
 
     async def embed(self, job: EmbeddingJob) -> Embeddings | Refused:
-        return await routed(self.handle, job.lora_name, self.loaded_everywhere).embed.remote(job)
+        return await routed(self.handle, job.lora_name, self.adapter_routes).embed.remote(job)
 
     async def unroutable(self) -> bool:
         return await self._app_deletion.deleting()
