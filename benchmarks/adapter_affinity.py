@@ -28,8 +28,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.loopback import free_port, wait_healthy  # noqa: E402
+from loadtest.loopback import free_port  # noqa: E402
 from loadtest.prompts import paragraph  # noqa: E402
+import side_by_side  # noqa: E402  (the sibling script)
 
 MODES = {"affinity": True, "spread": False}
 LOADS = re.compile(r'^ray_engine_lora_loads_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
@@ -92,28 +93,11 @@ async def one_run(base: str, run: int, mode: str, adapters: list[str], users: in
 
 
 def deploy(root: str, max_loras: int, replicas: int, dtype: str, port: int, metrics_port: int) -> dict[str, str]:
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.ray_env import setdefault_ray_env
-
-    setdefault_ray_env()  # as make serve
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    bases = {}
-    for mode, affinity in MODES.items():
-        args = {"engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32, "num_kv_blocks": 512,
-                                  "lora_root": root, "max_loras": max_loras},
-                "adapter_affinity": affinity, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0}
-        serve.run(build_app(args), name=mode, route_prefix=f"/{mode}", blocking=False)
-        bases[mode] = f"http://127.0.0.1:{port}/{mode}"
-    for mode, base in bases.items():
-        wait_healthy(base, 600)
-        while serve.status().applications[mode].deployments["EngineReplica"].replica_states.get("RUNNING") != replicas:
-            time.sleep(0.5)
-    return bases
+    return side_by_side.deploy({mode: {
+        "engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32, "num_kv_blocks": 512,
+                          "lora_root": root, "max_loras": max_loras},
+        "adapter_affinity": affinity, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0}
+        for mode, affinity in MODES.items()}, replicas, port, metrics_port)
 
 
 def main(users: int = 8, requests: int = 12, max_tokens: int = 16,

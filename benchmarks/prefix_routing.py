@@ -29,8 +29,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.loopback import free_port, wait_healthy  # noqa: E402
+from loadtest.loopback import free_port  # noqa: E402
 from loadtest.prompts import paragraph  # noqa: E402
+import side_by_side  # noqa: E402  (the sibling script)
 
 ROUTERS = ("power_of_two", "prefix_affinity")
 BLOCK_SIZE = 16
@@ -115,27 +116,10 @@ async def one_run(base: str, run: int, work: Workload, router: str) -> dict:
 
 
 def deploy(dtype: str, replicas: int, kv_blocks: int | None, port: int) -> dict[str, str]:
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.ray_env import setdefault_ray_env
-
-    setdefault_ray_env()  # as make serve
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    bases = {}
-    for router in ROUTERS:
-        args = {"engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32, "num_kv_blocks": kv_blocks},
-                "request_router": router, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0,
-                "report_cached_tokens": True}
-        serve.run(build_app(args), name=router, route_prefix=f"/{router}", blocking=False)
-        bases[router] = f"http://127.0.0.1:{port}/{router}"
-    for router, base in bases.items():
-        wait_healthy(base, 600)
-        while serve.status().applications[router].deployments["EngineReplica"].replica_states.get("RUNNING") != replicas:
-            time.sleep(0.5)
-    return bases
+    return side_by_side.deploy({router: {
+        "engine_config": {"dtype": dtype, "num_threads": 1, "max_num_seqs": 32, "num_kv_blocks": kv_blocks},
+        "request_router": router, "min_replicas": replicas, "max_replicas": replicas, "num_cpus": 0,
+        "report_cached_tokens": True} for router in ROUTERS}, replicas, port)
 
 
 def decision_cost() -> None:
