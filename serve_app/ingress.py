@@ -25,6 +25,7 @@ from serve_app.responses import CompletionResponse
 from serve_app.responses_api import ResponsesRequest
 from serve_app.security import Guard, exposure_problem
 
+
 def _proxy_host() -> str | None:
     try:
         return serve.context._get_global_client().http_config.host
