@@ -7,6 +7,7 @@ replica at start and route as the base model does. The engine still loads and dr
 routing hint, never a condition of service."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from ray import serve
@@ -23,9 +24,38 @@ def adapter_record(capacity: int) -> Callable[[str], Awaitable[str]]:
     return serve.multiplexed(max_num_models_per_replica=capacity)(hold)
 
 
-def routed(handle: DeploymentHandle, lora_name: str | None, everywhere: frozenset[str] | None) -> DeploymentHandle:
-    """The handle for a call on `lora_name`: to a replica holding it where it is loaded on demand (not in
-    `everywhere`); None: no affinity at all (the app's `adapter_affinity: false`)."""
-    if lora_name is None or everywhere is None or lora_name in everywhere:
-        return handle
-    return handle.options(multiplexed_model_id=lora_name)
+class AdapterRoutes:
+    """Which adapters the ingress names to Serve's router. Serve's router keeps every name it was asked for and found
+    on no replica, and any name that fits lora_root's pattern reaches here, so made-up names must not grow it without
+    bound: a name a replica has admitted a request on is known (the KNOWN most recent); one not yet admitted is
+    named while fewer than TRIED such names have been (a new adapter's first requests go where adapters are fewest);
+    past that, an unknown name routes as the base model until a replica admits it."""
+
+    KNOWN, TRIED = 1024, 256
+
+    def __init__(self, loaded_everywhere: frozenset[str]):
+        self.loaded_everywhere = loaded_everywhere  # lora_modules: on every replica from the start, no affinity
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._tried: set[str] = set()  # named to the router, never admitted (yet)
+
+    def handle(self, handle: DeploymentHandle, lora_name: str | None) -> DeploymentHandle:
+        """The handle for a call on `lora_name`: to a replica holding it, where it may be named."""
+        if lora_name is None or lora_name in self.loaded_everywhere:
+            return handle
+        if lora_name in self._known:
+            self._known.move_to_end(lora_name)
+        elif lora_name in self._tried or len(self._tried) < self.TRIED:
+            self._tried.add(lora_name)
+        else:
+            return handle
+        return handle.options(multiplexed_model_id=lora_name)
+
+    def admitted(self, lora_name: str | None) -> None:
+        """A replica admitted a request on `lora_name`: it exists, and later calls name it."""
+        if lora_name is None or lora_name in self.loaded_everywhere:
+            return
+        self._tried.discard(lora_name)
+        self._known[lora_name] = None
+        self._known.move_to_end(lora_name)
+        if len(self._known) > self.KNOWN:
+            self._known.popitem(last=False)

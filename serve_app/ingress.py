@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.adapter_affinity import AdapterRoutes
 from serve_app.body_limit import BodyLimit
 from serve_app.config import AppArgs
 from serve_app.errors import OpenAIError, install_error_handlers
@@ -98,7 +99,7 @@ def _client(replica: DeploymentHandle | ReplicaClient, model: AppArgs) -> Replic
         return replica
     if not model.adapter_affinity:
         return RemoteReplica(replica)
-    return RemoteReplica(replica, adapter_routes=frozenset(module.name for module in model.engine_config.lora_modules))
+    return RemoteReplica(replica, AdapterRoutes(frozenset(module.name for module in model.engine_config.lora_modules)))
 
 
 @functools.cache  # a scan of the installed distributions' metadata: once a process

@@ -145,6 +145,7 @@ class ModelFront:
         result = await self._call(self._retrying_lost_replicas(lambda: self.replica.embed(job)),
                                   self.args.request_timeout_s)
         self._raise_if_refused(result)
+        self.replica.admitted(lora_name)
         return result
 
     async def generative_scoring(self, body: GenerativeScoringRequest, request: Request) -> dict:
@@ -332,7 +333,10 @@ class ModelFront:
         """Start a generation: the stream and the replica's admission result (its first message)."""
         stream = self.replica.generate(job)
         try:
-            return stream, await self._first_message(stream)
+            admitted = await self._first_message(stream)
+            if isinstance(admitted, Admitted):
+                self.replica.admitted(job.lora_name)
+            return stream, admitted
         except BaseException:
             stream.cancel()
             raise

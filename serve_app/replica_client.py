@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.adapter_affinity import routed
+from serve_app.adapter_affinity import AdapterRoutes
 from serve_app.app_deletion import AppDeletion
 from engine.chat import DEFAULT_OPTIONS, ChatOptions
 from serve_app.protocol import EmbeddingJob, Embeddings, GenerationJob, Refused, ReplicaStats, Tokens
@@ -44,15 +44,17 @@ class ReplicaClient(Protocol):
         """Whether a generation not yet admitted never will be: no replica will come to take it."""
         ...
 
+    def admitted(self, lora_name: str | None) -> None:
+        """A request on `lora_name` was admitted: the adapter exists, and later requests may be routed by it."""
+        ...
+
 
 class RemoteReplica:
     """Replicas of the EngineReplica deployment, picked by Serve's router; every message a Ray message."""
 
-    def __init__(self, handle: DeploymentHandle, adapter_routes: frozenset[str] | None = None):
+    def __init__(self, handle: DeploymentHandle, adapter_routes: AdapterRoutes | None = None):
         self.handle = handle
-        # None: adapters route as the base model; else the adapters every replica loads at start (lora_modules),
-        # which do, while the others go to a replica holding them (adapter_affinity.py)
-        self.adapter_routes = adapter_routes
+        self.adapter_routes = adapter_routes  # None: adapters route as the base model (adapter_affinity.py)
         self._app_deletion = AppDeletion()
 
     async def stats(self) -> ReplicaStats:
@@ -69,10 +71,17 @@ class RemoteReplica:
         return await self.handle.detokenize.remote(tokens)
 
     def generate(self, job: GenerationJob) -> ReplicaStream:
-        return routed(self.handle, job.lora_name, self.adapter_routes).options(stream=True).generate.remote(job)
+        return self._routed(job.lora_name).options(stream=True).generate.remote(job)
 
     async def embed(self, job: EmbeddingJob) -> Embeddings | Refused:
-        return await routed(self.handle, job.lora_name, self.adapter_routes).embed.remote(job)
+        return await self._routed(job.lora_name).embed.remote(job)
+
+    def admitted(self, lora_name: str | None) -> None:
+        if self.adapter_routes is not None:
+            self.adapter_routes.admitted(lora_name)
+
+    def _routed(self, lora_name: str | None) -> DeploymentHandle:
+        return self.handle if self.adapter_routes is None else self.adapter_routes.handle(self.handle, lora_name)
 
     async def unroutable(self) -> bool:
         return await self._app_deletion.deleting()
@@ -106,6 +115,9 @@ class LocalReplica:
 
     async def unroutable(self) -> bool:
         return False  # the replica is this process: a request here is admitted or refused by it
+
+    def admitted(self, lora_name: str | None) -> None:
+        pass  # one replica: nothing to route
 
 
 class LocalStream:

@@ -1,6 +1,7 @@
-"""Which handle calls name their adapter to Serve's router: only those on an adapter loaded on demand, and none where
-the app turned affinity off. The routing itself is Serve's, checked live in tests/serve/test_prefix_routing.py."""
-from serve_app.adapter_affinity import routed
+"""Which handle calls name their adapter to Serve's router: adapters loaded on demand, never more names that no
+replica has admitted than a bound, so made-up names cannot grow the router's state. The routing itself is Serve's,
+checked live in tests/serve/test_prefix_routing.py."""
+from serve_app.adapter_affinity import AdapterRoutes
 
 
 class Handle:
@@ -13,9 +14,29 @@ class Handle:
         return Handle(**self.given, **options)
 
 
-def test_only_adapters_loaded_on_demand_are_named_to_the_router():
-    handle, loaded_everywhere = Handle(), frozenset({"listed"})
-    assert routed(handle, "on-demand", loaded_everywhere).given == {"multiplexed_model_id": "on-demand"}
-    assert routed(handle, "listed", loaded_everywhere) is handle  # lora_modules: on every replica, no affinity
-    assert routed(handle, None, loaded_everywhere) is handle  # the base model
-    assert routed(handle, "on-demand", None) is handle  # adapter_affinity: false
+def named(routes: AdapterRoutes, name: str | None) -> bool:
+    handle = Handle()
+    routed = routes.handle(handle, name)
+    return routed is not handle and routed.given == {"multiplexed_model_id": name}
+
+
+def test_adapters_loaded_on_demand_are_named_and_others_are_not():
+    routes = AdapterRoutes(frozenset({"listed"}))
+    assert named(routes, "on-demand")  # a new adapter's first request: where adapters are fewest
+    assert not named(routes, "listed")  # lora_modules: on every replica, no affinity
+    assert not named(routes, None)  # the base model
+
+
+def test_names_no_replica_admitted_are_bounded_and_admitted_ones_always_named(monkeypatch):
+    monkeypatch.setattr(AdapterRoutes, "TRIED", 2)
+    monkeypatch.setattr(AdapterRoutes, "KNOWN", 2)
+    routes = AdapterRoutes(frozenset())
+    assert named(routes, "made-up-1") and named(routes, "made-up-2")
+    assert not named(routes, "made-up-3")  # two unadmitted names already went to the router
+    assert named(routes, "made-up-1")  # one already there costs nothing more
+    routes.admitted("real")  # admitted though routed unnamed: known from now on
+    assert named(routes, "real")
+    routes.admitted("made-up-1")  # admitted after all: a tried slot frees
+    assert named(routes, "new")
+    routes.admitted("b")  # known: real, made-up-1, b -> the least recent (real) goes
+    assert not named(routes, "real") and named(routes, "b")
