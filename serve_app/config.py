@@ -108,7 +108,8 @@ class ModelArgs(BaseModel):
     @property
     def replica_max_ongoing_requests(self) -> int:
         # every running and queued request holds a streaming call open on the replica
-        return self.engine_config.max_num_seqs + (self.engine_config.max_waiting or 0) + 32  # so the engine, not Serve, answers overload
+        # so the engine, not Serve, answers overload
+        return self.engine_config.max_num_seqs + (self.engine_config.max_waiting or 0) + 32
 
 
 class AppArgs(ModelArgs):

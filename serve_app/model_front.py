@@ -63,7 +63,8 @@ class ModelFront:
     async def cards(self) -> list[dict]:
         """The base model, then each LoRA adapter with the base as its `parent` (vLLM's listing): lora_modules', then
         those under lora_root where this process can see it (as Ray Serve LLM lists its dynamic adapters)."""
-        names = [*self.args.model_names, *self.adapters, *_adapters_under(self.args.engine_config.lora_root, self.adapters)]
+        on_demand = _adapters_under(self.args.engine_config.lora_root, self.adapters)
+        names = [*self.args.model_names, *self.adapters, *on_demand]
         return [await self.card(name) for name in names]
 
     async def card(self, model_id: str) -> dict:
