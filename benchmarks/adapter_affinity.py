@@ -104,7 +104,9 @@ def main(users: int = 8, requests: int = 12, max_tokens: int = 16,
          adapters: int = typer.Option(4, help="adapters under lora_root, each request's drawn at random"),
          max_loras: int = typer.Option(2, help="adapters each replica keeps loaded"),
          replicas: int = typer.Option(2, help="engine replicas per app, one engine thread each"),
-         rank: int = 16, repeats: int = 3, dtype: str = "float32"):
+         rank: int = 16, repeats: int = 3, dtype: str = "float32",
+         warm_up: bool = typer.Option(False, help="one request on each adapter, one at a time, before the runs: with "
+                                                  "affinity each adapter is then held by one replica only")):
     import ray
     from ray import serve
 
@@ -118,6 +120,8 @@ def main(users: int = 8, requests: int = 12, max_tokens: int = 16,
     bases = deploy(str(root), max_loras, replicas, dtype, free_port(), metrics_port)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     try:
+        for mode in MODES if warm_up else ():
+            asyncio.run(one_run(bases[mode], -1, mode, names, 1, len(names), max_tokens))
         for run in range(repeats):
             for mode in (list(MODES) if run % 2 == 0 else list(MODES)[::-1]):  # alternated
                 before = settled_loads(metrics_port, mode)
