@@ -9,6 +9,7 @@ Standalone: locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 (optio
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -54,7 +55,8 @@ def add_options(parser):
     parser.add_argument("--rate", type=float, default=0.0, help="open loop: requests/s (0: closed loop, one per user)")
     parser.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson", help="open-loop arrival process")
     parser.add_argument("--prompt-seed", type=int, default=0)
-    parser.add_argument("--model", default="", help="model field; empty: omitted, the server's default")
+    parser.add_argument("--model", default="", help="model field; several, comma-separated: each user sends them in "
+                                                     "turn (an app serving several models); empty: omitted")
     parser.add_argument("--records-file", default="", help="append one JSON line per finished request (loadtest.run reads it)")
 
 
@@ -78,6 +80,9 @@ class OpenAIClient:
         opts = options(user.environment)
         self.prompts: list[Prompt] = user.environment.llm_prompts
         self.rng = random.Random()
+        models = [name for name in opts.model.split(",") if name]
+        self.models = itertools.islice(itertools.cycle(models), self.rng.randrange(len(models) or 1), None)
+        self.several_models = len(models) > 1
         self.headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
 
     def send(self) -> None:
@@ -86,8 +91,9 @@ class OpenAIClient:
         stream = self.rng.random() < opts.stream_share
         chat = prompt.kind != "summary" or self.rng.random() < 0.5  # summaries go to both endpoints
         body = {"max_tokens": opts.max_tokens, "stream": stream}
-        if opts.model:
-            body["model"] = opts.model
+        model = next(self.models, None)
+        if model:
+            body["model"] = model
         if chat:
             path, body["messages"] = "/v1/chat/completions", prompt.messages
         else:
@@ -95,6 +101,7 @@ class OpenAIClient:
         if stream:
             body["stream_options"] = {"include_usage": True}
         name = f"{'chat' if chat else 'completion'}{' stream' if stream else ''}"
+        name += f" {model}" if self.several_models else ""  # Locust's stats by model too
         record = self._stream(path, body, name) if stream else self._plain(path, body, name)
         self._report(record, name)
 

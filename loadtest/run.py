@@ -119,7 +119,7 @@ def main(
     target_rph: float = typer.Option(10000, help="PASS needs at least this many requests/hour"),
     p95_e2e_slo: float = typer.Option(30.0, help="PASS needs p95 end-to-end latency under this (s)"),
     api_key: str = typer.Option("", envvar="LLM_SERVE_API_KEY"),
-    model: str = typer.Option("", help="model field to send (vLLM needs it)"),
+    model: str = typer.Option("", help="model field to send (vLLM needs it); several, comma-separated, in turn"),
     prometheus: str = typer.Option("http://127.0.0.1:9090", help="if reachable, server-side plots come from it"),
     label: str = typer.Option("engine", help="name of this server in tables and files"),
     throughput_mode: bool = typer.Option(True, help="the embedded app in Ray Serve's high-throughput mode (HAProxy, "

@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 class DelayedSSE(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # chunked, as uvicorn sends a stream
 
+    models: list[str | None] = []  # each request's `model`
+
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.models.append(json.loads(self.rfile.read(int(self.headers.get("content-length", 0)))).get("model"))
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
@@ -61,7 +63,7 @@ def test_prompt_mix_is_large_seeded_and_mixed():
 def test_ttft_and_e2e_come_from_the_streamed_body(delayed_server, tmp_path):
     cmd = [sys.executable, "-m", "loadtest.run", "--url", delayed_server, "--users", "2", "--duration", "10",
            "--warmup", "0", "--stream-share", "1", "--target-rph", "0", "--p95-e2e-slo", "10", "--prometheus", "",
-           "--out-dir", str(tmp_path)]
+           "--out-dir", str(tmp_path), "--model", "small,big"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
@@ -71,3 +73,6 @@ def test_ttft_and_e2e_come_from_the_streamed_body(delayed_server, tmp_path):
     assert summary["itl"]["p50"] == pytest.approx(1.0, abs=0.2)  # 2 s between first and last of 3 tokens
     locust_stats = (next(tmp_path.glob("*/engine_stats.csv"))).read_text()
     assert "TTFT" in locust_stats and "E2E" in locust_stats  # the custom events reach Locust's own stats
+    # each user sends the models in turn (an app serving several), and Locust's stats name them
+    assert set(DelayedSSE.models) == {"small", "big"}, DelayedSSE.models
+    assert "stream small" in locust_stats and "stream big" in locust_stats, locust_stats
