@@ -64,8 +64,13 @@ class Ingress:
                                   retry_after_s=self.args.retry_after_s)
             if stats.health_problem:
                 raise OpenAIError(503, f"the engine{which} is unhealthy", retry_after_s=self.args.retry_after_s)
-        return {"status": "ok", "num_running": sum(stats.engine.num_running for stats in results),
-                "num_waiting": sum(stats.engine.num_waiting for stats in results)}
+        health = {"status": "ok", "num_running": sum(stats.engine.num_running for stats in results),
+                  "num_waiting": sum(stats.engine.num_waiting for stats in results)}
+        if len(self.fronts) > 1:  # and each model's, from one of its replicas (as the totals are)
+            health["models"] = {front.args.model_name: {"num_running": stats.engine.num_running,
+                                                        "num_waiting": stats.engine.num_waiting}
+                                for front, stats in zip(self.fronts, results)}
+        return health
 
     async def models(self) -> dict:
         """Every model's listing (ModelFront.cards), the app's first model first."""

@@ -50,6 +50,7 @@ def test_each_model_is_served_by_its_own_replicas(multi_app, auth):
     assert httpx.get(f"{multi_app}/v1/models/{SECOND}", headers=auth, timeout=30).json() == listed[1]
     health = httpx.get(f"{multi_app}/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert set(health.json()["models"]) == {FIRST, SECOND}, health.json()  # each model's running and waiting
 
 
 def test_a_request_reaches_the_model_it_names(multi_app, auth):
