@@ -43,6 +43,7 @@ class ChatOptions:
     tool_format: str = "hermes"  # how tools and calls are written for a template that cannot render them
     template: str | None = None  # the offline caller's own template (vLLM's LLM.chat chat_template); None: the model's
     documents: list[dict[str, str]] | None = None  # vLLM's: what a RAG template (Command R's, Granite's) cites
+    reasoning_effort: str | None = None  # OpenAI's, for a template that reads it (gpt-oss's), as vLLM passes it
 
     def __post_init__(self) -> None:
         if self.tool_format not in tool_calls.FORMATS:
@@ -120,6 +121,12 @@ def _apply(tokenizer, messages: Messages, tools: list[dict] | None, options: Cha
     if options.documents is not None and "documents" not in template:
         raise EngineInputError("documents: the chat template does not read documents (a RAG template does, such as "
                                "Command R's or Granite's)", "documents")
+    kwargs = options.template_kwargs
+    if options.reasoning_effort is not None:
+        if "reasoning_effort" not in template:
+            raise EngineInputError("reasoning_effort: the chat template does not read it (the model thinks as its "
+                                   "template says; gpt-oss's reads it)", "reasoning_effort")
+        kwargs = {**kwargs, "reasoning_effort": options.reasoning_effort}  # over chat_template_kwargs' own
     if "developer" not in template:  # OpenAI's newer name for the system role
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not ("tool_calls" in template and native_tools):
@@ -131,7 +138,7 @@ def _apply(tokenizer, messages: Messages, tools: list[dict] | None, options: Cha
                                              documents=options.documents, chat_template=options.template,
                                              add_generation_prompt=options.add_generation_prompt,
                                              continue_final_message=options.continue_final_message,
-                                             **options.template_kwargs)
+                                             **kwargs)
     except (ValueError, TemplateError) as exc:  # transformers' refusals, and the template's own raise_exception
         raise EngineInputError(f"messages: the chat template cannot render them so: {exc}", "messages") from None
 

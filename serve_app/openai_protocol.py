@@ -578,8 +578,7 @@ class NamedToolChoice(BaseModel):
 UNSUPPORTED_CHAT_FIELDS = {
     "audio": "audio output", "modalities": "output modalities other than text", "prediction": "predicted outputs",
     "functions": "the deprecated functions field (use tools)", "function_call": "the deprecated function_call (use tool_choice)",
-    "web_search_options": "web search", "reasoning_effort": "reasoning effort (a model thinks as its template says)",
-    "verbosity": "verbosity", "store": "stored completions",
+    "web_search_options": "web search", "verbosity": "verbosity", "store": "stored completions",
     # vLLM's chat extensions
     "echo": "echo in a chat (vLLM's: the last message prepended to the reply)",
     "add_special_tokens": "add_special_tokens in a chat (the chat template writes the special tokens)",
@@ -601,12 +600,14 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS, description=(
         "for a RAG chat template, which reads them (each e.g. a title and a text); another template refuses them"))
     include_reasoning: bool = True  # false: the reply's reasoning (the app's reasoning_parser) is left out
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        default=None, description="for a chat template that reads it (gpt-oss's), as vLLM passes it; another refuses it")
     return_prompt_text: bool | None = None  # the prompt the template wrote, as `prompt_text` (a stream's first chunk)
 
     def chat_options(self) -> ChatOptions:
         """How the messages become the prompt; EngineInputError naming the field that cannot be."""
         return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
-                           documents=self.documents)
+                           documents=self.documents, reasoning_effort=self.reasoning_effort)
 
     @model_validator(mode="before")
     @classmethod

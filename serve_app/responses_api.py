@@ -20,7 +20,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "conversation": ((None,), "conversations (nothing is stored)"),
     "background": ((None, False), "background responses"),
     "include": ((None, []), "include (no reasoning, search or logprob extras)"),
-    "reasoning": ((None,), "reasoning options (a model thinks as its template says; its thinking comes back with the app's reasoning_parser)"),
     "prompt": ((None,), "stored prompt templates"),
     "max_tool_calls": ((None,), "max_tool_calls"),
     "top_logprobs": ((None, 0), "top_logprobs in a response"),
@@ -50,7 +49,8 @@ CHAT_ONLY_FIELDS = {
 CHAT_NAMES = {*ChatCompletionRequest.model_fields, *UNSUPPORTED_CHAT_FIELDS, *UNSUPPORTED_VLLM_FIELDS}
 # chat's names for what a Responses request calls otherwise, for the refusals the chat checks write
 FIELD_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
-               "max_tokens": "max_output_tokens", "response_format": "text.format"}
+               "max_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort"}
 
 
 class InputText(BaseModel):
@@ -123,6 +123,16 @@ class TextOptions(BaseModel):
     verbosity: Literal["medium"] | None = None  # the only one there is: the model has no other
 
 
+class ReasoningOptions(BaseModel):
+    """`effort` is chat's reasoning_effort (for a template that reads it, as vLLM passes it); the model's thinking
+    comes back with the app's reasoning_parser, whole: there are no summaries of it."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: None = None
+    generate_summary: None = None  # the older name of summary
+
+
 class ResponsesRequest(BaseModel):
     """OpenAI's fields; any other that the chat route knows (vLLM's sampling extensions: top_k, seed, stop,
     ignore_eos, ...) is passed on to it, with its checks and refusals; the rest are ignored, as on chat."""
@@ -146,6 +156,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default"] | None = None
+    reasoning: ReasoningOptions | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -170,7 +181,8 @@ class ResponsesRequest(BaseModel):
                 "stream_options": {"include_usage": True} if self.stream else None,
                 "parallel_tool_calls": self.parallel_tool_calls, "metadata": self.metadata, "user": self.user,
                 "safety_identifier": self.safety_identifier, "prompt_cache_key": self.prompt_cache_key,
-                "service_tier": self.service_tier, "max_completion_tokens": self.max_output_tokens}
+                "service_tier": self.service_tier, "max_completion_tokens": self.max_output_tokens,
+                "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None}
         if self.tools:
             body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                              for tool in self.tools]
@@ -217,7 +229,8 @@ class ResponsesRequest(BaseModel):
                 **shown, "parallel_tool_calls": self.parallel_tool_calls,
                 "tool_choice": self.tool_choice or "auto", "tools": [t.model_dump(by_alias=True) for t in self.tools or []],
                 "text": self.text.model_dump(by_alias=True, exclude_none=True), "metadata": self.metadata or {},
-                "store": False, "truncation": "disabled", "previous_response_id": None, "reasoning": None,
+                "store": False, "truncation": "disabled", "previous_response_id": None,
+                "reasoning": {"effort": self.reasoning.effort if self.reasoning is not None else None, "summary": None},
                 "user": self.user, "service_tier": self.service_tier or "default", "background": False}
 
 

@@ -149,6 +149,23 @@ def test_documents_reach_a_template_that_reads_them_and_are_refused_by_one_that_
     assert refused.value.param == "documents"
 
 
+# OpenAI's reasoning_effort, for a template that reads it (gpt-oss's writes it into its system turn)
+EFFORT = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+          "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_by_one_that_does_not(tokenizer):
+    assert render(tokenizer, CONVERSATION, options=ChatOptions(template=EFFORT, reasoning_effort="low")) == (
+        "Reasoning: low\n[system] Be brief.\n[user] Hi\n")
+    assert render(tokenizer, CONVERSATION, options=ChatOptions(template=EFFORT)).startswith("[system]")
+    # the field wins over the same name in chat_template_kwargs (vLLM passes both there)
+    both = ChatOptions(template=EFFORT, template_kwargs={"reasoning_effort": "high"}, reasoning_effort="low")
+    assert render(tokenizer, CONVERSATION, options=both).startswith("Reasoning: low\n")
+    with pytest.raises(EngineInputError) as refused:  # the embedded model's template has no place for it
+        render(tokenizer, CONVERSATION, options=ChatOptions(reasoning_effort="low"))
+    assert refused.value.param == "reasoning_effort"
+
+
 def test_a_control_token_inside_a_message_is_encoded_as_its_text_unless_told_otherwise(tokenizer):
     """A client's text cannot open a turn of another role: the template's own <|im_start|> markers are tokens, one
     written inside a message is the text it spells (transformers' sanitize_control_tokens); vLLM's encoding with

@@ -9,7 +9,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import ValidationError
 
 from serve_app.errors import OpenAIError, envelope
-from serve_app.responses_api import ResponsesRequest
+from serve_app.responses_api import ResponsesRequest, renamed
 from serve_app.responses_api_output import event_stream, response_object
 
 # each stream event's model in OpenAI's client, by its type
@@ -39,7 +39,7 @@ def test_input_items_become_chat_messages_with_instructions_first_and_calls_grou
 
 @pytest.mark.parametrize("body,field", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0"), ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"truncation": "auto"}, "truncation"), ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"background": True}, "background"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"enable_response_messages": True}, "enable_response_messages"),
@@ -181,3 +181,16 @@ def test_sampling_fields_a_request_leaves_unset_stay_unset_for_the_models_defaul
     beams = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": 2,
                                                   "use_beam_search": True})
     assert defaulted_fields(beams) == frozenset()  # a beam search samples nothing
+
+
+def test_reasoning_effort_is_chats_and_a_refusal_of_it_names_the_responses_field():
+    request = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "low"}})
+    assert request.chat_request().reasoning_effort == "low"
+    assert request.echo()["reasoning"] == {"effort": "low", "summary": None}
+    assert ResponsesRequest.model_validate({"input": "hi"}).chat_request().reasoning_effort is None
+    refused = renamed(OpenAIError(400, "reasoning_effort: the chat template does not read it", "reasoning_effort"))
+    assert refused.param == "reasoning.effort"
+    assert refused.message == "reasoning.effort: the chat template does not read it"
+    with pytest.raises(ValidationError) as summary:  # no summaries of the thinking: it comes back whole
+        ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}})
+    assert summary.value.errors()[0]["loc"] == ("reasoning", "summary")
