@@ -162,7 +162,7 @@ class EngineConfig(BaseModel):
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.quantization == "gguf" and not (self.model == DEFAULT_MODEL or self.model.endswith(".gguf")):
             raise ValueError(f"quantization gguf needs the embedded model or a local .gguf file, not {self.model!r}")
-        names = [module.name for module in self.lora_modules]
+        names = self.lora_module_names
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules: each adapter needs a name of its own, got {names}")
         return self
@@ -177,6 +177,11 @@ class EngineConfig(BaseModel):
             return None
         directory = Path(self.lora_root) / name
         return str(directory) if (directory / "adapter_config.json").is_file() else None
+
+    @property
+    def lora_module_names(self) -> list[str]:
+        """The adapters loaded at start (lora_modules), by name."""
+        return [module.name for module in self.lora_modules]
 
     @property
     def serves_lora(self) -> bool:

@@ -29,7 +29,7 @@ class LoRAManager:
 
     def __init__(self, model, config: EngineConfig):
         self.model, self.config = model, config
-        self.static = [module.name for module in config.lora_modules]
+        self.static = config.lora_module_names
         slots = len(self.static) + (config.max_loras if config.lora_root is not None else 0)
         self.step = LoRAStep(slots)
         model.lora_step = model.model.lora_step = self.step

@@ -167,7 +167,7 @@ class AppArgs(ModelArgs):
         """Several models need the split topology's ingress to route between them, and names that say which one."""
         if self.models and self.topology != "split":
             raise ValueError("models: several models need topology: split (a colocated replica serves one engine)")
-        names = [name for model in self.served_models for name in model.model_names + _adapter_names(model)]
+        names = [name for model in self.served_models for name in model.model_names + model.engine_config.lora_module_names]
         if len(set(names)) != len(names):
             twice = sorted({name for name in names if names.count(name) > 1})
             raise ValueError(f"models: each model and LoRA adapter needs a name of its own; {twice} name more than "
@@ -189,15 +189,10 @@ class AppArgs(ModelArgs):
         return self.request_timeout_s + 10
 
 
-
 def ray_accelerator_types() -> set[str]:
     from ray.util.accelerators import accelerators  # the names Ray's nodes advertise as `accelerator_type:<name>`
 
     return {value for name, value in vars(accelerators).items() if name.isupper() and isinstance(value, str)}
-
-
-def _adapter_names(model: ModelArgs) -> list[str]:
-    return [module.name for module in model.engine_config.lora_modules]
 
 
 def shipped_app_args() -> AppArgs:

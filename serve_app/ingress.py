@@ -104,7 +104,7 @@ def _client(replica: DeploymentHandle | ReplicaClient, model: AppArgs) -> Replic
         return replica
     if not model.adapter_affinity:
         return RemoteReplica(replica)
-    return RemoteReplica(replica, AdapterRoutes(frozenset(module.name for module in model.engine_config.lora_modules)))
+    return RemoteReplica(replica, AdapterRoutes(frozenset(model.engine_config.lora_module_names)))
 
 
 @functools.cache  # a scan of the installed distributions' metadata: once a process

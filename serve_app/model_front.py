@@ -49,7 +49,7 @@ class ModelFront:
         self.replica = replica
         self.args = args  # this model's fields, with the app's server-wide ones
         self._model_info: dict | None = None
-        self.adapters = [module.name for module in args.engine_config.lora_modules]  # servable as `model`
+        self.adapters = args.engine_config.lora_module_names  # servable as `model`
 
     def serves(self, model_id: str) -> bool:
         """Whether `model_id` names this model or one of its LoRA adapters (one under lora_root: whether it is

@@ -63,7 +63,7 @@ class EngineReplica:
         self.signals = ReplicaSignals()  # what the engine-signal autoscaling policy reads (serve_app/autoscaling.py)
         engine = args.engine_config  # the adapters it loads on demand, told to Serve's router (adapter_affinity.py)
         self._hold_adapter = adapter_record(engine.max_loras) if engine.lora_root is not None else None
-        self._loaded_at_start = {module.name for module in engine.lora_modules}
+        self._loaded_at_start = set(engine.lora_module_names)
         self.model_info = {"max_model_len": self.frontend.max_model_len, "model": args.model_name,
                            "engine": self.frontend.settings,
                            "sampling_defaults": self.frontend.inputs.limits.sampling_defaults}
