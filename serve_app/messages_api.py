@@ -222,14 +222,15 @@ class Conversation(BaseModel):
         return data
 
     def chat_body(self, parses_reasoning: bool) -> dict:
-        body = {"model": self.model, "messages": self._chat_messages(),
+        turns = _combined_turns(self.messages)
+        body = {"model": self.model, "messages": self._chat_messages(turns),
                 "chat_template_kwargs": self.chat_template_kwargs}
         if self.tools:
             body["tools"] = [tool.chat_tool() for tool in self.tools]
         if self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice.chat_choice()
             body["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
-        if self._prefilled():  # the reply continues it, as Anthropic's does
+        if _prefill(turns[-1][1]):  # the reply continues it, as Anthropic's does
             body |= {"continue_final_message": True, "add_generation_prompt": False}
         budget = self.thinking_budget(parses_reasoning)
         if budget is not None:
@@ -237,11 +238,6 @@ class Conversation(BaseModel):
         if self.thinking is not None and self.thinking.display == "omitted":
             body["include_reasoning"] = False
         return body
-
-    def _prefilled(self) -> bool:
-        """A last assistant turn of text: the start of the reply (a turn with tool calls is a whole one)."""
-        _, last = _combined_turns(self.messages)[-1]
-        return last.role == "assistant" and not any(isinstance(b, ToolUseBlock) for b in _blocks(last))
 
     def thinking_budget(self, parses_reasoning: bool) -> int | None:
         if self.thinking is None or self.thinking.type == "adaptive":
@@ -257,14 +253,14 @@ class Conversation(BaseModel):
         except ValidationError as exc:  # as the chat route would describe it; renamed() then spells it ours
             raise self.renamed(OpenAIError(400, *describe_validation_error(exc))) from None
 
-    def _chat_messages(self) -> list[dict]:
+    def _chat_messages(self, turns: list[tuple[int, Message]]) -> list[dict]:
         """The system prompt first; consecutive turns of one role as one turn, as Anthropic's API combines them; a
         user turn's tool results as tool messages before its text; an assistant turn's tool_use blocks as its tool
         calls. Earlier thinking is left out, as Anthropic leaves it out."""
         system = self.system if isinstance(self.system, str) else "\n".join(
             b.text for b in self.system or () if not b.text.startswith(BILLING_HEADER))
         messages, self._origins = ([{"role": "system", "content": system}], [None]) if system else ([], [])
-        for k, message in _combined_turns(self.messages):
+        for k, message in turns:
             for chat in _chat_turn(message):
                 messages.append(chat)
                 self._origins.append(k)
@@ -306,6 +302,11 @@ def _combined_turns(messages: list[Message]) -> list[tuple[int, Message]]:
         else:
             turns.append((k, message))
     return turns
+
+
+def _prefill(last: Message) -> bool:
+    """A last assistant turn of text: the start of the reply (a turn with tool calls is a whole one)."""
+    return last.role == "assistant" and not any(isinstance(b, ToolUseBlock) for b in _blocks(last))
 
 
 def _blocks(message: Message) -> list:

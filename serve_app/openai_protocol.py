@@ -22,6 +22,7 @@ from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGPROB_TOKE
 MAX_TOOLS = 128  # OpenAI's own bound
 MAX_PROMPTS = 64  # a completion's batch of prompts; each prompt's n choices are engine requests of their own
 MAX_DOCUMENTS = 256  # a chat's RAG documents (the body limit bounds their text)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's values
 MAX_CONSTRAINT_CHARS = 100_000  # a grammar's or a regex's text (llguidance bounds the compiled grammar's size too)
 Constraint = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHARS)
 
@@ -600,7 +601,7 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS, description=(
         "for a RAG chat template, which reads them (each e.g. a title and a text); another template refuses them"))
     include_reasoning: bool = True  # false: the reply's reasoning (the app's reasoning_parser) is left out
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+    reasoning_effort: ReasoningEffort | None = Field(
         default=None, description="for a chat template that reads it (gpt-oss's), as vLLM passes it; another refuses it")
     return_prompt_text: bool | None = None  # the prompt the template wrote, as `prompt_text` (a stream's first chunk)
 

@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from serve_app.errors import OpenAIError, describe_validation_error
 from serve_app.openai_protocol import (MAX_TOOLS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_VLLM_FIELDS, ChatCompletionRequest,
-                                      check_unicode, refuse, refuse_asked, refuse_tool_kinds)
+                                      ReasoningEffort, check_unicode, refuse, refuse_asked, refuse_tool_kinds)
 
 # Responses fields this server does not implement: field -> (the values that ask for nothing, why refused)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -128,7 +128,7 @@ class ReasoningOptions(BaseModel):
     comes back with the app's reasoning_parser, whole: there are no summaries of it."""
 
     model_config = ConfigDict(extra="forbid")
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
     summary: None = None
     generate_summary: None = None  # the older name of summary
 
