@@ -93,7 +93,6 @@ class ModelFront:
     async def _prompt_tokens(self, body: TokenizeRequest | ChatCompletionRequest, prompt, tools: list[dict] | None,
                              strs: bool = False) -> Tokens:
         """The ids of a prompt, or of chat messages with the tools offered, as a generation would count them."""
-        self._lora_name(body.model)
         try:
             options = chat_options(body, self.args)
         except EngineInputError as exc:
@@ -104,7 +103,6 @@ class ModelFront:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         """vLLM's /detokenize: the text of token ids."""
-        self._lora_name(body.model)
         text = await self._call(self.replica.detokenize(body.tokens), self.args.request_timeout_s)
         self._raise_if_refused(text)
         return {"prompt": text}
