@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -33,7 +33,6 @@ from loadtest.prompts import paragraph  # noqa: E402
 import side_by_side  # noqa: E402  (the sibling script)
 
 MODES = {"affinity": True, "spread": False}
-LOADS = re.compile(r'^ray_engine_lora_loads_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,7 +65,8 @@ async def user(http: httpx.AsyncClient, rng: random.Random, adapters: list[str],
 def loads(metrics_port: int, app: str) -> float:
     """The app's adapter loads so far, over its replicas (Ray exports each replica's counter)."""
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-    return sum(float(value) for labels, value in LOADS.findall(text) if f'application="{app}"' in labels)
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "ray_engine_lora_loads_total" and sample.labels.get("application") == app)
 
 
 def settled_loads(metrics_port: int, app: str) -> float:

@@ -4,7 +4,6 @@ ingress replica routes it. Under Serve's default router each later turn finds it
 half, so ten later turns all finding it would happen once in 1,024 runs; without the ingress replicas sharing what
 they routed, a turn that reaches the other ingress replica finds it as often. The same app loads LoRA adapters on
 demand (`lora_root`): each adapter's requests go to the replica that holds it (serve_app/adapter_affinity.py)."""
-import re
 import shutil
 import time
 
@@ -144,15 +143,18 @@ def test_each_adapters_requests_go_to_the_replica_holding_it(two_replicas, auth,
 def lora_requests_by_replica(metrics_port: int, total: int) -> dict[str, dict[str, float]]:
     """This app's requests on each adapter, by the replica that served them, from the replicas' own counters as Ray
     exports them; once they add up to `total` (the export lags a second or so)."""
-    series = re.compile(r'^ray_engine_lora_requests_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
+    from prometheus_client.parser import text_string_to_metric_families
+
     deadline = time.monotonic() + 30
     while True:
         counts: dict[str, dict[str, float]] = {}
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-        for labels, value in series.findall(text):
-            tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            if tags.get("application") == APP and float(value) > 0:
-                counts.setdefault(tags["lora_name"], {})[tags["replica"]] = float(value)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                tags = sample.labels
+                if (sample.name == "ray_engine_lora_requests_total" and tags.get("application") == APP
+                        and sample.value > 0):
+                    counts.setdefault(tags["lora_name"], {})[tags["replica"]] = sample.value
         if sum(v for by_replica in counts.values() for v in by_replica.values()) >= total:
             return counts
         assert time.monotonic() < deadline, counts
