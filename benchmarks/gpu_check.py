@@ -481,11 +481,12 @@ def graphs_engine(path: str, device: str, dtype, sizes: Sizes, log: Log, failure
 
         log(f"the graphs engine with gemm_tuning and split_tuning failed; again without:\n{traceback.format_exc()}")
         failures.append(f"graphs engine with gemm_tuning and split_tuning: {type(error).__name__}: {error}")
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        return LLM(**engine_args(path, device, dtype, sizes), enforce_eager=False, gemm_tuning=False,
-                   split_tuning=False)
+    # out of the except block, whose traceback holds the failed engine's frames: its memory is free for the next,
+    # whose share of the device (gpu_memory_utilization) must be free when it starts
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return LLM(**engine_args(path, device, dtype, sizes), enforce_eager=False, gemm_tuning=False, split_tuning=False)
 
 
 def engine_args(path: str, device: str, dtype, sizes: Sizes) -> dict:

@@ -67,7 +67,9 @@ class EngineConfig(BaseModel):
     block_size: int = Field(default=16, ge=1)
     num_kv_blocks: int | None = Field(default=None, ge=2)
     kv_cache_memory: int | None = Field(default=None, ge=1, description="KV pool bytes when num_kv_blocks is unset")
-    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1, description=(
+        "on CUDA, the part of the device's total this engine may take (weights, activations, KV pool), as vLLM "
+        "reads it; engines sharing a GPU each take their own"))
 
     max_num_seqs: int = Field(default=128, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=1)

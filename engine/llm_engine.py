@@ -21,7 +21,7 @@ from engine.cpu_kernels import (build_paged_decode, fused_ops, greedy_op, nucleu
 from engine.engine_stats import EngineStats
 from engine.errors import EngineInputError
 from engine.host_memory import keep_freed_memory
-from engine.kv_budget import num_kv_blocks
+from engine.kv_budget import device_memory_at_start, num_kv_blocks
 from engine.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from engine.metrics import StepMetrics
 from engine.pooler import embeddings
@@ -53,6 +53,7 @@ class LLMEngine:
         self.config = config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
         self.claim_threads()
         self.device = resolve_device(config.device)
+        memory_at_start = device_memory_at_start(config, self.device)  # before the weights: the share counts from here
         if self.device.type == "cpu":
             keep_freed_memory()
         hf_config = load_hf_config(config)
@@ -86,7 +87,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.block_size, 1, self.dtype, self.device, decode_kernel, write_kv,
                                   self.phases, triton=self.attention_backend == "triton", prefill_kernel=prefill_kernel,
                                   kv_dtype=self.kv_dtype)
-        self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner))
+        self.runner.kv_cache = self.runner.allocate_kv_cache(num_kv_blocks(config, self.runner, memory_at_start))
         # bitsandbytes' NF4/int8 kernels have never been captured here on a GPU: eager until measured
         if self.device.type == "cuda" and not config.enforce_eager and self.model.impl == "native" \
                 and self.attention_backend == "triton" and config.quantization is None:
