@@ -190,7 +190,9 @@ class OutputFormat(BaseModel):
 class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: OutputFormat | None = None
-    effort: Literal["high"] | None = None  # the only one there is: the model thinks as its template says
+    # a chat template that reads OpenAI's reasoning_effort (gpt-oss's) gets it, as vLLM passes it; high, Anthropic's
+    # default, asks nothing of one that does not, and low or medium is refused there
+    effort: Literal["low", "medium", "high"] | None = None
 
 
 class Metadata(BaseModel):
@@ -289,7 +291,8 @@ class Conversation(BaseModel):
 # chat's names for what a Messages request calls otherwise, for the refusals the chat checks write
 CHAT_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
                     "response_format": "output_config.format", "thinking_token_budget": "thinking.budget_tokens",
-                    "user": "metadata.user_id", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+                    "user": "metadata.user_id", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+                    "reasoning_effort": "output_config.effort"}
 
 
 def _combined_turns(messages: list[Message]) -> list[tuple[int, Message]]:
@@ -351,6 +354,11 @@ class MessagesRequest(Conversation):
             "user": self.metadata.user_id if self.metadata else None}
         body |= {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")
                  if getattr(self, name) is not None}
+        effort = self.output_config.effort if self.output_config else None
+        if effort == "high":
+            body["chat_template_kwargs"] = {"reasoning_effort": effort, **(self.chat_template_kwargs or {})}
+        elif effort is not None:
+            body["reasoning_effort"] = effort
         form = self.output_format or (self.output_config.format if self.output_config else None)
         if form is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form.schema_}}

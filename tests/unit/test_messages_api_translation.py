@@ -88,6 +88,18 @@ def test_thinking_options_become_a_budget_only_where_the_app_parses_thinking():
     assert request(max_tokens=0).chat_request(False).max_completion_tokens == 1  # a token is computed, none shown
 
 
+def test_effort_is_the_reasoning_effort_of_a_template_that_reads_it_and_high_asks_nothing_of_one_that_does_not():
+    assert request(output_config={"effort": "low"}).chat_request(False).reasoning_effort == "low"
+    high = request(output_config={"effort": "high"}, chat_template_kwargs={"enable_thinking": True})
+    chat = high.chat_request(False)
+    assert chat.reasoning_effort is None  # the check that refuses a template without it
+    assert chat.chat_template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}  # read where known
+    assert request().chat_request(False).chat_template_kwargs is None
+    refused = request(output_config={"effort": "medium"}).renamed(OpenAIError(
+        400, "reasoning_effort: the chat template does not read it", "reasoning_effort"))
+    assert refused.param == "output_config.effort" and refused.message.startswith("output_config.effort: ")
+
+
 def test_a_last_assistant_turn_is_a_prefill_the_reply_continues():
     prefilled = request(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}])
     chat = prefilled.chat_request(False)
