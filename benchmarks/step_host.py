@@ -6,7 +6,8 @@ through `LLM.step()`, as `generate`'s do, and "front_end" is its time in the out
 inline core spends between its steps; "step" is the core's alone. Medians of several rounds; requests report once,
 at the end, as `generate`'s do. `--graph-buffers`: decode steps through the CUDA graphs' input buffers (run eagerly
 here) with the replay itself stubbed to a constant hidden state, so "step" is what a GPU's host does around each
-replay, steps ahead advancing the buffers on the device included.
+replay, steps ahead advancing the buffers on the device included. `--sampled`: every request at temperature 0.7 and
+top-p 0.9, as chat clients ask, instead of greedy.
 
 python benchmarks/step_host.py --batches 1,32,128,256 --out benchmarks/results/step-host.json
 """
@@ -36,7 +37,8 @@ TINY = dict(SIZES["cpu"].model, num_hidden_layers=1, hidden_size=64, intermediat
             num_key_value_heads=1)
 
 
-def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str, graph_buffers: bool = False) -> dict:
+def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str, graph_buffers: bool = False,
+            sampled: bool = False) -> dict:
     from engine import LLM, SamplingParams
     from engine.step_stats import heap_frozen_during
 
@@ -50,9 +52,11 @@ def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str, graph_b
         graphs = engine.runner.capture_graphs(batch, engine.max_model_len, capture=False)
         hidden = torch.zeros(graphs.max_batch, TINY["hidden_size"])
         graphs._forward = lambda b: hidden[:b]  # the replay: the GPU's time, not the host's
-    params = SamplingParams(max_tokens=rounds * steps + 40, temperature=0.0, ignore_eos=True)
+    # sampled: as chat clients ask (temperature and top-p), each request its own params
+    knobs = dict(temperature=0.7, top_p=0.9) if sampled else dict(temperature=0.0)
+    params = [SamplingParams(max_tokens=rounds * steps + 40, ignore_eos=True, **knobs) for _ in range(batch)]
     for i, prompt in enumerate(prompts(batch, 32, SIZES["cpu"].vocab_size, 1)):
-        llm.add_request(f"r{i}", prompt, params, final_only=True)
+        llm.add_request(f"r{i}", prompt, params[i], final_only=True)
     for _ in range(10):  # prefill, and the first decode steps
         llm.step()
     results = []
@@ -65,13 +69,13 @@ def measure(batch: int, ahead: bool, rounds: int, steps: int, path: str, graph_b
             wall = (time.perf_counter() - started) / steps - front_end
             phases = {k: (v - before[k]) / steps for k, v in engine.phases.seconds.items()}
             results.append({**phases, "step": wall, "host": wall - phases["forward"], "front_end": front_end})
-    return {"batch": batch, "async_scheduling": ahead, "graph_buffers": graph_buffers,
+    return {"batch": batch, "async_scheduling": ahead, "graph_buffers": graph_buffers, "sampled": sampled,
             **{k: round(1e3 * statistics.median(r[k] for r in results), 3) for k in results[0]}}
 
 
 @cli.command()
 def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: bool = True,
-         graph_buffers: bool = False, out: Path | None = None):
+         graph_buffers: bool = False, sampled: bool = False, out: Path | None = None):
     """Writes rows of milliseconds per step: host (wall less forward), each phase, and the whole step."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "step-host-model"
@@ -80,10 +84,10 @@ def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: 
     path = build_model("cpu", sizes, torch.float32, workdir)
     torch.set_num_threads(1)
     cases = [(int(b), ahead) for b in batches.split(",") for ahead in ((False, True) if both else (False,))]
-    rows = [measure(b, ahead, rounds, steps, path, graph_buffers)
+    rows = [measure(b, ahead, rounds, steps, path, graph_buffers, sampled)
             for b, ahead in tqdm(cases, desc="batches", unit="case")]
     table = Table(title="decode step, ms (median of rounds)")
-    columns = ("batch", "async_scheduling", "host", "schedule", "prepare", "forward", "sample", "output", "step",
+    columns = ("batch", "async_scheduling", "sampled", "host", "schedule", "prepare", "forward", "sample", "output", "step",
                "front_end")
     for column in columns:
         table.add_column(column, justify="right")

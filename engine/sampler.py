@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from engine.host_memory import to_device
+from engine.sampling_columns import SamplingColumns
 from engine.sampling_params import SamplingParams
 
 # top-p on CPU: the top 64 tokens, then the top 1,024, then 4,096, each for the rows the one before did not cover,
@@ -99,6 +100,7 @@ class Sampler:
         invalid)`: greedy_or_invalid's result in one pass on CPU (cpu_kernels.greedy_op), else the torch ops."""
         self.cpu_nucleus_mask = cpu_nucleus_mask
         self.cpu_greedy = cpu_greedy
+        self.columns: SamplingColumns | None = None  # the last sampled step's, kept while its rows stay the same
 
     def __call__(
         self,
@@ -226,35 +228,28 @@ class Sampler:
         draw from the row's own generator (one random number per token, where a Gumbel race needs one per vocab entry).
         `logits` is the sampler's own float copy: it is worked on in place, since each fresh [n, vocab] temporary
         costs page faults on CPU."""
-        n, vocab = logits.shape
         device = logits.device
-        column = lambda values: to_device(torch.tensor(values, dtype=logits.dtype), device)[:, None]  # noqa: E731
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:  # their index goes to the device without a wait (async scheduling), and only where there are some
-            greedy = to_device(torch.tensor(greedy, dtype=torch.long), device)
-        greedy_rows = greedy_tokens(logits.index_select(0, greedy)) if len(greedy) else None
-        temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
-        if any(t != 1.0 for t in temperatures):
-            logits.div_(column(temperatures))
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        if min(top_k) < vocab:
-            kth = logits.topk(max(k for k in top_k if k < vocab), dim=-1).values
-            kth = kth.gather(1, to_device(torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k]), device)[:, None])
+        columns = self._columns(params, logits)
+        greedy = columns.greedy
+        greedy_rows = greedy_tokens(logits.index_select(0, greedy)) if greedy is not None else None
+        if columns.temperatures is not None:
+            logits.div_(columns.temperatures)
+        if columns.top_k_max:
+            kth = logits.topk(columns.top_k_max, dim=-1).values.gather(1, columns.kth_index)
             # rows without top-k keep everything (masked_fill: a boolean index would read the device back)
-            kth.masked_fill_(to_device(torch.tensor(top_k), device)[:, None] >= vocab, float("-inf"))
+            kth.masked_fill_(columns.keeps_all, float("-inf"))
             logits.masked_fill_(logits < kth, float("-inf"))
         weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax up to each row's total
-        nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        if len(nucleus_rows) == n:  # the usual batch: every row asks for top-p, worked in place
-            self._nucleus(weights.div_(weights.sum(-1, keepdim=True)), column([p.top_p for p in params]))
-        elif nucleus_rows:
-            rows = to_device(torch.tensor(nucleus_rows), device)
+        if columns.top_p is not None and columns.nucleus_rows is None:  # the usual batch: every row, in place
+            self._nucleus(weights.div_(weights.sum(-1, keepdim=True)), columns.top_p)
+        elif columns.top_p is not None:
+            rows = columns.nucleus_rows
             selected = weights[rows]
-            top_p = column([params[i].top_p for i in nucleus_rows])
-            weights[rows] = self._nucleus(selected.div_(selected.sum(-1, keepdim=True)), top_p)
-        if any(p.min_p > 0.0 for p in params):
-            weights.masked_fill_(weights < column([p.min_p for p in params]) * weights.amax(-1, keepdim=True), 0.0)
-        draws = column([1.0 - g.next() if g is not None else 1.0 for g in generators])
+            weights[rows] = self._nucleus(selected.div_(selected.sum(-1, keepdim=True)), columns.top_p)
+        if columns.min_p is not None:
+            weights.masked_fill_(weights < columns.min_p * weights.amax(-1, keepdim=True), 0.0)
+        draws = to_device(torch.tensor([1.0 - g.next() if g is not None else 1.0 for g in generators],
+                                       dtype=logits.dtype), device)[:, None]
         verified = [i for i, d in enumerate(draft_token_ids or ()) if d is not None and not params[i].greedy]
         accepted = Sampler._verify_drafts(weights, draws, verified, [draft_token_ids[i] for i in verified]) if verified else None
         tokens, has_mass = inverse_cdf(weights, draws)
@@ -263,6 +258,13 @@ class Sampler:
         if greedy_rows is not None:
             tokens[greedy] = greedy_rows
         return tokens, finite & has_mass
+
+    def _columns(self, params: list[SamplingParams], logits: torch.Tensor) -> SamplingColumns:
+        """The rows' sampling settings on the device: the last step's where its rows are these."""
+        vocab = logits.shape[1]
+        if self.columns is None or not self.columns.fits(params, vocab, logits.dtype, logits.device):
+            self.columns = SamplingColumns(params, vocab, logits.dtype, logits.device)
+        return self.columns
 
     @staticmethod
     def _verify_drafts(weights: torch.Tensor, draws: torch.Tensor, rows: list[int], drafts: list[int]

@@ -209,6 +209,22 @@ def test_draws_follow_the_softmax_and_mixed_batches_keep_each_rows_knobs():
     assert len({r[3] for r in rows}) >= 4  # the unrestricted row is not clipped by its neighbours' masks
 
 
+def test_the_rows_settings_are_kept_while_the_rows_stay_and_follow_them_when_one_changes():
+    sampler = Sampler()
+    wide = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    narrow = [*wide[:3], SamplingParams(temperature=1.0, top_k=2, seed=3)]  # the same rows but the last
+    gens = [make_generator(p) for p in narrow]
+    sampler(LOGITS.repeat(4, 1), wide, gens, [[]] * 4)
+    kept = sampler.columns
+    sampler(LOGITS.repeat(4, 1), list(wide), gens, [[]] * 4)
+    assert sampler.columns is kept  # the same requests in a new list: not rebuilt
+    rows = [sampler(LOGITS.repeat(4, 1), narrow, gens, [[]] * 4)[0] for _ in range(100)]
+    assert sampler.columns is not kept and {r[3] for r in rows} == {0, 1}  # top_k 2 holds from its first step
+    assert len({r[2] for r in rows}) >= 3
+    rows = [sampler(LOGITS.repeat(2, 1), narrow[2:], gens[2:], [[]] * 2)[0] for _ in range(100)]
+    assert {r[1] for r in rows} == {0, 1} and len({r[0] for r in rows}) >= 3  # fewer rows: the columns of these
+
+
 def test_the_two_level_inverse_cdf_lands_on_the_token_whose_mass_holds_the_draw():
     weights = torch.tensor([[0.0, 1, 0, 0, 0, 0, 2, 0, 0, 1]])  # blocks of 4, then a tail of 2; total 4
     picks = [inverse_cdf(weights, torch.tensor([[u]]), block=4)[0].item() for u in (1e-6, 0.25, 0.26, 0.75, 0.76, 1.0)]
