@@ -43,11 +43,12 @@ class UniformStream:
 
 
 def make_generator(params: SamplingParams) -> UniformStream | None:
-    """Each sampled request owns its random stream, so its draws never depend on the batch around it. It lives on
-    the host whatever the device: a draw is one number a token, and a CUDA generator would cost a device round trip
-    per sampled row per step (the step's draws go to the device together). The same seed gives the same stream
-    on every device."""
-    if params.greedy:
+    """A seeded request owns its random stream, so its draws never depend on the batch around it; an unseeded one
+    draws from the sampler's stream with its batch-mates, one call a step for all of them (vLLM's sampler keeps
+    generators for seeded requests alone likewise). A stream lives on the host whatever the device: a draw is one
+    number a token, and a CUDA generator would cost a device round trip per seeded row per step (the step's draws go
+    to the device together). The same seed gives the same stream on every device."""
+    if params.greedy or params.seed is None:
         return None
     return UniformStream(params.seed)
 
@@ -101,6 +102,8 @@ class Sampler:
         self.cpu_nucleus_mask = cpu_nucleus_mask
         self.cpu_greedy = cpu_greedy
         self.columns: SamplingColumns | None = None  # the last sampled step's, kept while its rows stay the same
+        self.stream = torch.Generator()  # the unseeded rows' draws
+        self.stream.seed()
 
     def __call__(
         self,
@@ -248,8 +251,7 @@ class Sampler:
             weights[rows] = self._nucleus(selected.div_(selected.sum(-1, keepdim=True)), columns.top_p)
         if columns.min_p is not None:
             weights.masked_fill_(weights < columns.min_p * weights.amax(-1, keepdim=True), 0.0)
-        draws = to_device(torch.tensor([1.0 - g.next() if g is not None else 1.0 for g in generators],
-                                       dtype=logits.dtype), device)[:, None]
+        draws = to_device(self._draws(columns.seeded, generators, logits.dtype), device)[:, None]
         verified = [i for i, d in enumerate(draft_token_ids or ()) if d is not None and not params[i].greedy]
         accepted = Sampler._verify_drafts(weights, draws, verified, [draft_token_ids[i] for i in verified]) if verified else None
         tokens, has_mass = inverse_cdf(weights, draws)
@@ -258,6 +260,13 @@ class Sampler:
         if greedy_rows is not None:
             tokens[greedy] = greedy_rows
         return tokens, finite & has_mass
+
+    def _draws(self, seeded: list[int], generators: list[UniformStream | None], dtype: torch.dtype) -> torch.Tensor:
+        """One uniform draw in (0, 1] a row: the sampler's stream, but a seeded row's own (a greedy row's is unread)."""
+        draws = torch.rand(len(generators), generator=self.stream, dtype=dtype).neg_().add_(1.0)
+        if seeded:
+            draws[seeded] = torch.tensor([1.0 - generators[i].next() for i in seeded], dtype=dtype)
+        return draws
 
     def _columns(self, params: list[SamplingParams], logits: torch.Tensor) -> SamplingColumns:
         """The rows' sampling settings on the device: the last step's where its rows are these."""

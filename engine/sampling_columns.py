@@ -30,6 +30,7 @@ class SamplingColumns:
         self.nucleus_rows = None if len(nucleus) in (0, len(params)) else to_device(torch.tensor(nucleus), device)
         self.top_p = column([params[i].top_p for i in nucleus]) if nucleus else None  # every row's, or the subset's
         self.min_p = column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None
+        self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]  # rows with a stream
 
     def fits(self, params: list[SamplingParams], vocab: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether these are the columns of `params` (the same objects, in order): ~5 us at batch 256."""

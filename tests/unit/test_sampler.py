@@ -75,8 +75,12 @@ def test_a_requests_stream_gives_the_draws_one_generator_call_a_token_gives():
     stream, generator = make_generator(SamplingParams(temperature=1.0, seed=7)), torch.Generator().manual_seed(7)
     count = 3 * DRAWS_AHEAD + 5
     assert [stream.next() for _ in range(count)] == [float(torch.rand(1, generator=generator)) for _ in range(count)]
-    first, second = (make_generator(SamplingParams(temperature=1.0)) for _ in range(2))  # unseeded: their own seeds
-    assert first.next() != second.next()
+    assert make_generator(SamplingParams(temperature=1.0)) is None  # unseeded: the sampler's stream, seeded by the OS
+
+    def unseeded_draws(sampler: Sampler) -> list[int]:
+        return [sampler(LOGITS, [SamplingParams(temperature=1.0)], [None], [[]])[0][0] for _ in range(30)]
+
+    assert unseeded_draws(Sampler()) != unseeded_draws(Sampler())
 
 
 def test_a_seed_fixes_the_draws_whatever_the_batch_around_it():
