@@ -62,7 +62,9 @@ def test_a_last_assistant_turn_is_a_prefill_the_reply_continues(client, chat):
     prefill = [*ASK, {"role": "assistant", "content": "My three favourite colours are"}]
     reply = chat.chat.completions.create(model=MODEL, max_tokens=16, temperature=0.0, messages=prefill,
                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
-    whole = client.messages.create(model=MODEL, messages=prefill, max_tokens=16, extra_body=GREEDY)
+    # effort high, Anthropic's default, asks nothing of a template without reasoning_effort (low is refused below)
+    whole = client.messages.create(model=MODEL, messages=prefill, max_tokens=16,
+                                   extra_body={**GREEDY, "output_config": {"effort": "high"}})
     assert texts(whole) == [("text", reply.choices[0].message.content)]
     assert client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens == reply.usage.prompt_tokens
 
