@@ -22,34 +22,28 @@ def nproc() -> int:
     return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
 
 
+# what starts a Ray cluster of its own: under pytest-xdist (`make test`: two workers) these run on one worker, in
+# order, so there is one cluster at a time and the session's Serve app starts once; they are collected first, so
+# that worker takes them at the start while the other runs the rest (mostly CPU-bound where they mostly wait)
+ONE_RAY = ("tests/serve/", "tests/cluster/", "tests/benchmarks/test_gpu_serve_check.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` cases are deselected, not passed, on machines without CUDA: the summary counts them apart."""
+    """`gpu` cases are deselected, not passed, on machines without CUDA: the summary counts them apart. Cases that
+    start Ray are one xdist group, first."""
+    root = str(config.rootpath) + "/"
+    starts_ray = [str(item.path).removeprefix(root).startswith(ONE_RAY) for item in items]
+    for item, ray in zip(items, starts_ray):
+        if ray:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+    items[:] = [item for item, ray in zip(items, starts_ray) if ray] + \
+               [item for item, ray in zip(items, starts_ray) if not ray]
     if os.path.exists("/dev/nvidiactl"):
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
-
-
-# what starts a Ray cluster of its own: under pytest-xdist (`make test`: two workers) these run on one worker, in
-# order, so there is one cluster at a time and the session's Serve app starts once, while the other worker runs the
-# rest, mostly CPU-bound where the Ray cases mostly wait
-ONE_RAY = ("tests/serve/", "tests/cluster/", "tests/benchmarks/test_gpu_serve_check.py")
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with the Ray cases as one scope (the largest, so sent first) and every other case a
-    scope of its own. Its own `--dist loadgroup` marks cannot do it under pytest 9.2, which reads a node's id from
-    `_id` where xdist 3.8 suffixes `_nodeid`."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class RayCasesTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "ray" if nodeid.startswith(ONE_RAY) else nodeid
-
-    return RayCasesTogether(config, log)
 
 
 @pytest.fixture(autouse=True, scope="session")
