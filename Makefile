@@ -59,7 +59,7 @@ kernels-background: $(STAMP)
 # CI's suite: everything but the `long` scenarios (the multi-node cluster, the split app's echo attack, the compiled
 # decoder, gpu-serve-check's CPU rehearsal), which `make test-all` adds
 test: kernels-background model prometheus
-	$(PY) -m pytest -q -rs --durations=20 -m "not long" -n 2 --dist loadgroup
+	$(PY) -m pytest -q -rs --durations=20 -m "not long"
 
 test-all: kernels-background model prometheus
 	$(PY) -m pytest -q -rs --durations=20

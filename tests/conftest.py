@@ -22,22 +22,8 @@ def nproc() -> int:
     return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
 
 
-# what starts a Ray cluster of its own: under pytest-xdist (`make test`: two workers) these run on one worker, in
-# order, so there is one cluster at a time and the session's Serve app starts once; they are collected first, so
-# that worker takes them at the start while the other runs the rest (mostly CPU-bound where they mostly wait)
-ONE_RAY = ("tests/serve/", "tests/cluster/", "tests/benchmarks/test_gpu_serve_check.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    """`gpu` cases are deselected, not passed, on machines without CUDA: the summary counts them apart. Cases that
-    start Ray are one xdist group, first."""
-    root = str(config.rootpath) + "/"
-    starts_ray = [str(item.path).removeprefix(root).startswith(ONE_RAY) for item in items]
-    for item, ray in zip(items, starts_ray):
-        if ray:
-            item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = [item for item, ray in zip(items, starts_ray) if ray] + \
-               [item for item, ray in zip(items, starts_ray) if not ray]
+    """`gpu` cases are deselected, not passed, on machines without CUDA: the summary counts them apart."""
     if os.path.exists("/dev/nvidiactl"):
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
