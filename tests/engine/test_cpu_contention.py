@@ -35,9 +35,15 @@ def test_other_processes_spinning_are_counted_every_time():
         assert min(threads_runnable_elsewhere() for _ in range(SAMPLES)) >= 3
 
 
+def runnable_on_the_machine() -> int:
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].partition("/")[0])
+
+
 def test_this_processes_own_busy_threads_are_not_counted():
-    """Four threads of this process hashing (outside the interpreter lock) are always runnable; counted as another
-    process's, every sample would be at least 4."""
+    """Four threads of this process hashing (outside the interpreter lock) are always runnable: what is left for
+    other processes is the machine's runnable count less them. Compared with the machine's count sample by sample,
+    as other processes (a second test worker) may keep several threads runnable throughout."""
     stop = threading.Event()
     data = bytes(1 << 20)
 
@@ -49,7 +55,8 @@ def test_this_processes_own_busy_threads_are_not_counted():
     for worker in workers:
         worker.start()
     try:
-        assert min(threads_runnable_elsewhere() for _ in range(SAMPLES)) < 4
+        samples = [(runnable_on_the_machine(), threads_runnable_elsewhere()) for _ in range(SAMPLES)]
+        assert max(machine - elsewhere for machine, elsewhere in samples) >= 4, samples
     finally:
         stop.set()
         for worker in workers:
