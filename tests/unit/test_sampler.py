@@ -124,16 +124,6 @@ def test_a_row_with_nothing_allowed_is_marked_so_and_its_batch_mates_are_not():
         assert tokens[0] == NO_ALLOWED_TOKEN and 0 <= tokens[1] < VOCAB  # its own masks, not the model, at fault
 
 
-class CopyCounting(torch.Tensor):
-    """Logits that count the float copies made of them (by `.to(float32, copy=True)`), and of how many rows."""
-    copied_rows: list[int] = []
-
-    def to(self, *args, **kwargs):
-        if kwargs.get("copy"):
-            CopyCounting.copied_rows.append(self.shape[0])
-        return super().to(*args, **kwargs)
-
-
 def test_only_rows_that_need_work_are_copied_and_each_gets_what_it_would_alone():
     """Issue 41 item 5: one grammar row used to push every row of the batch onto the float path."""
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -141,10 +131,11 @@ def test_only_rows_that_need_work_are_copied_and_each_gets_what_it_would_alone()
     params = [greedy, greedy, sampled, greedy, greedy, greedy]
     mask = torch.zeros(2, VOCAB, dtype=torch.bool)
     mask[0, 6], mask[1, [1, 2]] = True, True  # rows 1 and 4 have grammars
-    CopyCounting.copied_rows = []
-    tokens, _ = Sampler()(logits.as_subclass(CopyCounting), params, [make_generator(p) for p in params],
-                          [[]] * 6, grammar=GrammarMask([1, 4], mask), banned_token_ids=[(), (), (), (), (), {0}])
-    assert CopyCounting.copied_rows == [4], "rows 1, 2, 4 and 5 need work; rows 0 and 3 take their argmax"
+    sampler = Sampler()
+    tokens, _ = sampler(logits, params, [make_generator(p) for p in params], [[]] * 6,
+                        grammar=GrammarMask([1, 4], mask), banned_token_ids=[(), (), (), (), (), {0}])
+    # the float copy is the sampler's work buffer, sized by the rows copied
+    assert sampler.work.shape[0] == 4, "rows 1, 2, 4 and 5 need work; rows 0 and 3 take their argmax"
     argmax = logits.float().argmax(-1).tolist()
     assert tokens[0] == argmax[0] and tokens[3] == argmax[3] and tokens[1] == 6 and tokens[4] in (1, 2)
     alone = Sampler()(logits[2:3], [sampled], [make_generator(sampled)], [[]])[0][0]
@@ -211,6 +202,19 @@ def test_draws_follow_the_softmax_and_mixed_batches_keep_each_rows_knobs():
     rows = [sampler(LOGITS.repeat(4, 1), params, gens, [[]] * 4)[0] for _ in range(300)]
     assert {r[0] for r in rows} == {0} and {r[1] for r in rows} == {0, 1} and {r[2] for r in rows} == {0}
     assert len({r[3] for r in rows}) >= 4  # the unrestricted row is not clipped by its neighbours' masks
+
+
+def test_the_float_copy_is_one_buffer_across_steps_and_grows_with_the_batch():
+    sampler, params = Sampler(), SamplingParams(temperature=1.0)  # unseeded: the sampler's stream, fresh each step
+    sampler(LOGITS.repeat(4, 1), [params] * 4, [None] * 4, [[]] * 4)
+    kept = sampler.work
+    rows = [sampler(LOGITS.repeat(2, 1), [params] * 2, [None] * 2, [[]] * 2)[0] for _ in range(50)]
+    assert sampler.work is kept  # fewer rows: a view of the same buffer
+    drawn = [t for r in rows for t in r]
+    # each step copies its own logits in: the last step's weights, read as logits, would draw near uniformly
+    assert {0, 1} <= set(drawn) and sum(t >= 5 for t in drawn) < 5, drawn  # p(5, 6, 7) is 0.6%
+    sampler(LOGITS.repeat(6, 1), [params] * 6, [None] * 6, [[]] * 6)
+    assert sampler.work.shape == (6, VOCAB)
 
 
 def test_the_rows_settings_are_kept_while_the_rows_stay_and_follow_them_when_one_changes():
