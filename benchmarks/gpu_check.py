@@ -84,7 +84,7 @@ SIZES = {
                    "tests/engine/test_synthetic_models.py", "tests/engine/test_async_scheduling.py",
                    "tests/engine/test_mixed_workloads.py",
                    "tests/engine/test_cuda_graphs.py", "tests/engine/test_lora.py", "tests/engine/test_embeddings.py",
-                   "tests/engine/test_score_shapes.py",
+                   "tests/engine/test_score_shapes.py", "tests/engine/test_kv_budget.py",
                    "-m", "gpu or not slow", "-p", "no:cacheprovider"]),
     "cpu": Sizes(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1000000.0,

@@ -44,13 +44,13 @@ def test_an_engine_takes_its_share_beside_memory_held_before_it(checkpoint):
     torch.cuda.empty_cache()
     total = torch.cuda.mem_get_info()[1]
     held = torch.empty(int(0.3 * total), dtype=torch.uint8, device="cuda")  # another model's, as far as it knows
-    free_before = torch.cuda.mem_get_info()[0]
     llm = LLM(model=checkpoint, dtype="float32", device="cuda", attention_backend="triton", enforce_eager=True,
               gpu_memory_utilization=0.5)
     try:
-        taken = free_before - torch.cuda.mem_get_info()[0]
-        # the share less the warm-up step's peak (a tiny model's); counting the 30% held elsewhere gave under 20%
-        assert 0.45 * total <= taken <= 0.5 * total, (taken / total, llm.engine.runner.num_blocks)
+        pool = llm.engine.runner.kv_cache
+        # the share less the tiny model's weights and warm-up peak, and whatever other tests' processes (make
+        # gpu-check's xdist workers) took meanwhile; counting the 30% held before it began left under 20%
+        assert 0.4 * total <= pool.numel() * pool.element_size() <= 0.5 * total, llm.engine.runner.num_blocks
         out = llm.generate([[5, 17, 300, 42]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].token_ids) == 4
     finally:
