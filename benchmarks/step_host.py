@@ -87,8 +87,8 @@ def main(batches: str = "1,32,128,256", rounds: int = 7, steps: int = 60, both: 
     rows = [measure(b, ahead, rounds, steps, path, graph_buffers, sampled)
             for b, ahead in tqdm(cases, desc="batches", unit="case")]
     table = Table(title="decode step, ms (median of rounds)")
-    columns = ("batch", "async_scheduling", "sampled", "host", "schedule", "prepare", "forward", "sample", "output", "step",
-               "front_end")
+    columns = ("batch", "async_scheduling", "sampled", "host", "schedule", "prepare", "forward", "sample", "output",
+               "step", "front_end")
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
