@@ -252,7 +252,7 @@ class Sampler:
             weights[rows] = self._nucleus(selected.div_(selected.sum(-1, keepdim=True)), columns.top_p)
         if columns.min_p is not None:
             weights.masked_fill_(weights < columns.min_p * weights.amax(-1, keepdim=True), 0.0)
-        draws = to_device(self._draws(columns.seeded, generators, logits.dtype), device)[:, None]
+        draws = to_device(self._draws(columns.seeded, generators), device)[:, None]
         verified = [i for i, d in enumerate(draft_token_ids or ()) if d is not None and not params[i].greedy]
         accepted = Sampler._verify_drafts(weights, draws, verified, [draft_token_ids[i] for i in verified]) if verified else None
         tokens, has_mass = inverse_cdf(weights, draws)
@@ -262,11 +262,12 @@ class Sampler:
             tokens[greedy] = greedy_rows
         return tokens, finite & has_mass
 
-    def _draws(self, seeded: list[int], generators: list[UniformStream | None], dtype: torch.dtype) -> torch.Tensor:
-        """One uniform draw in (0, 1] a row: the sampler's stream, but a seeded row's own (a greedy row's is unread)."""
-        draws = torch.rand(len(generators), generator=self.stream, dtype=dtype).neg_().add_(1.0)
+    def _draws(self, seeded: list[int], generators: list[UniformStream | None]) -> torch.Tensor:
+        """One fp32 uniform draw in (0, 1] a row: the sampler's stream, but a seeded row's own (a greedy row's is
+        unread)."""
+        draws = torch.rand(len(generators), generator=self.stream).neg_().add_(1.0)
         if seeded:
-            draws[seeded] = torch.tensor([1.0 - generators[i].next() for i in seeded], dtype=dtype)
+            draws[seeded] = torch.tensor([1.0 - generators[i].next() for i in seeded])
         return draws
 
     def _float_copy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -282,8 +283,8 @@ class Sampler:
     def _columns(self, params: list[SamplingParams], logits: torch.Tensor) -> SamplingColumns:
         """The rows' sampling settings on the device: the last step's where its rows are these."""
         vocab = logits.shape[1]
-        if self.columns is None or not self.columns.fits(params, vocab, logits.dtype, logits.device):
-            self.columns = SamplingColumns(params, vocab, logits.dtype, logits.device)
+        if self.columns is None or not self.columns.fits(params, vocab, logits.device):
+            self.columns = SamplingColumns(params, vocab, logits.device)
         return self.columns
 
     @staticmethod

@@ -12,10 +12,12 @@ from engine.sampling_params import SamplingParams
 
 
 class SamplingColumns:
-    def __init__(self, params: list[SamplingParams], vocab: int, dtype: torch.dtype, device: torch.device):
+    """Columns in fp32, the sampler's working dtype."""
+
+    def __init__(self, params: list[SamplingParams], vocab: int, device: torch.device):
         self.params = params  # held, so the identities `fits` compares cannot be reused by new objects
-        self.vocab, self.dtype, self.device = vocab, dtype, device
-        column = lambda values: to_device(torch.tensor(values, dtype=dtype), device)[:, None]  # noqa: E731
+        self.vocab, self.device = vocab, device
+        column = lambda values: to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]  # noqa: E731
         greedy = [i for i, p in enumerate(params) if p.greedy]
         # their index goes to the device without a wait (async scheduling), and only where there are some
         self.greedy = to_device(torch.tensor(greedy, dtype=torch.long), device) if greedy else None
@@ -32,7 +34,7 @@ class SamplingColumns:
         self.min_p = column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None
         self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]  # rows with a stream
 
-    def fits(self, params: list[SamplingParams], vocab: int, dtype: torch.dtype, device: torch.device) -> bool:
+    def fits(self, params: list[SamplingParams], vocab: int, device: torch.device) -> bool:
         """Whether these are the columns of `params` (the same objects, in order): ~5 us at batch 256."""
-        return (len(params) == len(self.params) and vocab == self.vocab and dtype == self.dtype
-                and device == self.device and all(map(operator.is_, params, self.params)))
+        return (len(params) == len(self.params) and vocab == self.vocab and device == self.device
+                and all(map(operator.is_, params, self.params)))
