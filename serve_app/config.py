@@ -167,7 +167,8 @@ class AppArgs(ModelArgs):
         """Several models need the split topology's ingress to route between them, and names that say which one."""
         if self.models and self.topology != "split":
             raise ValueError("models: several models need topology: split (a colocated replica serves one engine)")
-        names = [name for model in self.served_models for name in model.model_names + model.engine_config.lora_module_names]
+        names = [name for model in self.served_models
+                 for name in model.model_names + model.engine_config.lora_module_names]
         if len(set(names)) != len(names):
             twice = sorted({name for name in names if names.count(name) > 1})
             raise ValueError(f"models: each model and LoRA adapter needs a name of its own; {twice} name more than "

@@ -602,7 +602,8 @@ class ChatCompletionRequest(SamplingFields):
         "for a RAG chat template, which reads them (each e.g. a title and a text); another template refuses them"))
     include_reasoning: bool = True  # false: the reply's reasoning (the app's reasoning_parser) is left out
     reasoning_effort: ReasoningEffort | None = Field(
-        default=None, description="for a chat template that reads it (gpt-oss's), as vLLM passes it; another refuses it")
+        default=None,
+        description="for a chat template that reads it (gpt-oss's), as vLLM passes it; another refuses it")
     return_prompt_text: bool | None = None  # the prompt the template wrote, as `prompt_text` (a stream's first chunk)
 
     def chat_options(self) -> ChatOptions:
